@@ -1,0 +1,1 @@
+"""labkit: a Jupyter-first lab for distributed training."""

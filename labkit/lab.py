@@ -1,0 +1,332 @@
+"""``Lab``: the plain Python API of labkit. The magics are thin wrappers over it.
+
+    from labkit import Lab
+    with Lab(ranks=4) as lab:              # 4 torch.distributed ranks, alive until stop()
+        lab.mesh(dp=2, tp=2)               # a named device mesh on every rank
+        lab.run(lambda: dist.get_rank())   # -> [0, 1, 2, 3]
+
+A ``Lab`` owns one ``RankCluster`` (the processes) and the process group on top
+of it. Every piece of work runs under a time limit; when work fails on any rank
+the lab brings stuck ranks back, rebuilds the process group (and the mesh) on a
+fresh rendezvous store, and raises one ``RankFailure`` that tells what happened
+on which rank. The next call finds a working lab.
+"""
+
+from __future__ import annotations
+
+import atexit
+import time
+import weakref
+
+from . import rank_runtime
+from .cluster import RankCluster
+from .devices import RankPlan, plan_ranks
+from .dispatch import RankWork, make_output
+from .errors import LabError, LabNotRunning, RankFailure, RankInterrupted, RankTimeout, format_ranks
+from .mesh import MeshError, MeshSpec
+from .status import LabStatus, RankStatus
+
+DEFAULT_TIMEOUT = 300.0
+DEFAULT_START_TIMEOUT = 60.0
+DEFAULT_INTERRUPT_GRACE = 5.0
+
+
+def _positive_seconds(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+    return float(value)
+
+
+def _stop_at_exit(lab_ref) -> None:
+    lab = lab_ref()
+    if lab is not None:
+        lab.stop()
+
+
+class Lab:
+    """A set of live torch.distributed ranks on ipyparallel engines.
+
+    ranks: number of ranks (processes). backend: 'gloo' or 'nccl' (default: nccl
+    when GPUs are visible, one rank per GPU, else gloo). timeout: default limit
+    in seconds for each piece of work (a cell, a ``run``). start_timeout: limit
+    for the ranks to come up. threads_per_rank: torch threads in each rank
+    (default: cores // ranks, at least 1).
+    """
+
+    def __init__(
+        self,
+        ranks: int = 4,
+        backend: str | None = None,
+        timeout: float = DEFAULT_TIMEOUT,
+        start_timeout: float = DEFAULT_START_TIMEOUT,
+        threads_per_rank: int | None = None,
+        interrupt_grace: float = DEFAULT_INTERRUPT_GRACE,
+    ) -> None:
+        # Everything is checked here, before a single process starts.
+        self.plan: RankPlan = plan_ranks(ranks, backend=backend, threads_per_rank=threads_per_rank)
+        self.timeout = _positive_seconds("timeout", timeout)
+        self.start_timeout = _positive_seconds("start_timeout", start_timeout)
+        self.interrupt_grace = _positive_seconds("interrupt_grace", interrupt_grace)
+        self.cluster: RankCluster | None = None
+        self.generation = 0
+        self.mesh_spec: MeshSpec | None = None
+        self.started_seconds: float | None = None
+        self._atexit = None
+
+    # -- identity -----------------------------------------------------------
+
+    @property
+    def world_size(self) -> int:
+        return self.plan.ranks
+
+    @property
+    def backend(self) -> str:
+        return self.plan.backend
+
+    @property
+    def running(self) -> bool:
+        return self.cluster is not None
+
+    def __repr__(self) -> str:
+        state = f"running, generation {self.generation}" if self.running else "stopped"
+        mesh = f", mesh {self.mesh_spec.describe()}" if self.mesh_spec else ""
+        return f"<Lab {self.plan.describe()}; {state}{mesh}>"
+
+    # -- start / stop ---------------------------------------------------------
+
+    def start(self) -> "Lab":
+        """Start the ranks and form the process group. A running lab is reused."""
+        if self.running:
+            if all(self.cluster.is_alive(rank) for rank in range(self.world_size)):
+                return self
+            self.stop()
+        began = time.monotonic()
+        cluster = RankCluster(self.plan, start_timeout=self.start_timeout)
+        cluster.start()
+        self.cluster = cluster
+        self._atexit = lambda ref=weakref.ref(self): _stop_at_exit(ref)
+        atexit.register(self._atexit)
+        try:
+            self._form_group()
+            self._check_group()
+        except BaseException:
+            self.stop()
+            raise
+        self.started_seconds = time.monotonic() - began
+        return self
+
+    def stop(self) -> None:
+        """Stop every process of the lab; nothing is left running. Safe to call twice."""
+        cluster, self.cluster = self.cluster, None
+        if cluster is not None:
+            cluster.stop()
+        if self._atexit is not None:
+            atexit.unregister(self._atexit)
+            self._atexit = None
+        self.generation = 0
+
+    def restart(self) -> "Lab":
+        """Stop and start again with fresh processes (the mesh spec is kept)."""
+        self.stop()
+        return self.start()
+
+    def __enter__(self) -> "Lab":
+        return self.start()
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()
+
+    def _require_running(self) -> RankCluster:
+        if self.cluster is None:
+            raise LabNotRunning("the lab is not running: call lab.start() (or %lab start) first")
+        return self.cluster
+
+    # -- process group --------------------------------------------------------
+
+    def _form_group(self) -> None:
+        """A fresh rendezvous store on rank 0, every rank joins, the mesh is rebuilt."""
+        self.generation += 1
+        limit = self.start_timeout
+        port = self._call_entry([0], rank_runtime.open_store, (limit,), limit)[0]
+        self._call_entry(range(self.world_size), rank_runtime.join_group, (port, self.generation, limit), limit)
+        if self.mesh_spec is not None:
+            self._build_mesh(self.mesh_spec)
+
+    def _check_group(self) -> None:
+        sums = self._call_entry(range(self.world_size), rank_runtime.all_reduce_check, (), self.start_timeout)
+        if any(value != self.world_size for value in sums):
+            raise LabError(f"the first all-reduce gave {sums}, expected {self.world_size} on every rank")
+
+    def _call_entry(self, ranks, entry, args, timeout):
+        """Run a runtime entry point that is not user work, on ``ranks``, within ``timeout``."""
+        cluster = self._require_running()
+        ranks = list(ranks)
+        pending = [cluster.engine(rank).apply_async(entry, *args) for rank in ranks]
+        deadline = time.monotonic() + timeout
+        while not all(result.ready() for result in pending) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        results, stuck = [], []
+        for rank, result in zip(ranks, pending):
+            if not result.ready():
+                stuck.append(rank)
+                continue
+            try:
+                results.append(result.get(0))
+            except Exception as error:
+                what = f"{getattr(error, 'ename', type(error).__name__)}: {getattr(error, 'evalue', error)}"
+                raise LabError(f"rank {rank} failed in {entry.__name__}: {what}") from None
+        if stuck:
+            raise LabError(f"{format_ranks(stuck)} did not finish {entry.__name__} within {timeout:g} s")
+        return results
+
+    def _recover(self, work: RankWork) -> str:
+        """After failed work: rebuild the process group so the next call works."""
+        cluster = self._require_running()
+        dead = [rank for rank in range(self.world_size) if not cluster.is_alive(rank)]
+        if dead:
+            cluster.replace(dead)
+        try:
+            self._form_group()
+        except LabError:
+            # Some rank cannot even rejoin: start it afresh and try once more.
+            cluster.replace(range(self.world_size))
+            self._form_group()
+        replaced = sorted(set(dead) | set(work.replaced))
+        note = f"The process group was rebuilt (generation {self.generation})"
+        if self.mesh_spec is not None:
+            note += f" with mesh {self.mesh_spec.describe()}"
+        if replaced:
+            note += f"; {format_ranks(replaced)} restarted with empty namespaces"
+        return note + "; the lab is ready for the next cell."
+
+    # -- running work ---------------------------------------------------------
+
+    def _targets(self, ranks) -> list[int]:
+        if ranks is None:
+            return list(range(self.world_size))
+        targets = sorted(set(int(rank) for rank in ranks))
+        wrong = [rank for rank in targets if not 0 <= rank < self.world_size]
+        if wrong or not targets:
+            raise ValueError(f"ranks must be between 0 and {self.world_size - 1}, got {list(ranks)}")
+        return targets
+
+    def _limit(self, timeout) -> float:
+        return self.timeout if timeout is None else _positive_seconds("timeout", timeout)
+
+    def _execute(self, ranks, entry, args, timeout, live=None) -> dict[int, dict]:
+        cluster = self._require_running()
+        limit = self._limit(timeout)
+        work = RankWork(
+            cluster,
+            ranks,
+            entry,
+            (*args, limit),
+            timeout=limit,
+            interrupt_grace=self.interrupt_grace,
+            output=make_output(ranks, live=live),
+        )
+        reports = work.wait()
+        if not work.failed:
+            return reports
+        recovery = self._recover(work)
+        kind = RankInterrupted if work.interrupted else RankTimeout if work.timed_out else RankFailure
+        raise kind(
+            reports,
+            timed_out=work.timed_out,
+            timeout_seconds=limit,
+            interrupted=work.interrupted,
+            replaced=tuple(work.replaced),
+            recovery=recovery,
+        )
+
+    def run(self, fn, *args, timeout: float | None = None, **kwargs) -> list:
+        """Call ``fn(*args, **kwargs)`` on every rank; return the results in rank order.
+
+        ``fn`` runs with the rank's namespace as its globals when it was defined
+        in the notebook, so ``rank``, ``world_size``, ``mesh``, ``dist`` work in it.
+        ``timeout`` (seconds, default ``lab.timeout``) bounds the whole call.
+        """
+        ranks = self._targets(None)
+        reports = self._execute(ranks, rank_runtime.call, (fn, args, kwargs), timeout)
+        return [reports[rank]["value"] for rank in ranks]
+
+    def run_cell(self, code: str, ranks=None, timeout: float | None = None, live: bool | None = None) -> list:
+        """Run notebook code on the ranks (all, or ``ranks``); output is labelled by rank.
+
+        Returns the repr of each rank's last expression (None where there is none).
+        """
+        targets = self._targets(ranks)
+        reports = self._execute(targets, rank_runtime.run_cell, (code,), timeout, live=live)
+        return [reports[rank].get("display") for rank in targets]
+
+    # -- mesh -------------------------------------------------------------
+
+    def mesh(self, **axes: int) -> MeshSpec:
+        """Build a named device mesh on every rank, e.g. ``lab.mesh(dp=2, tp=2)``.
+
+        The spec is validated before anything runs (positive sizes, one -1 at most,
+        product equal to the world size). Returns the spec, which draws itself.
+        Without axes, returns the current mesh.
+        """
+        if not axes:
+            if self.mesh_spec is None:
+                raise MeshError(f"no mesh yet: give its axes, e.g. lab.mesh(dp={self.world_size})")
+            return self.mesh_spec
+        spec = MeshSpec.from_axes(axes, self.world_size)
+        self._require_running()
+        try:
+            self._build_mesh(spec)
+        except LabError:
+            # Leave the lab as it was: a working group with the previous mesh.
+            self._form_group()
+            raise
+        self.mesh_spec = spec
+        return spec
+
+    def _build_mesh(self, spec: MeshSpec) -> None:
+        ranks = range(self.world_size)
+        args = (list(spec.shape), list(spec.names))
+        coordinates = self._call_entry(ranks, rank_runtime.build_mesh, args, self.start_timeout)
+        for rank, reported in zip(ranks, coordinates):
+            if tuple(reported) != spec.coordinate(rank):
+                raise LabError(f"rank {rank} reports mesh coordinate {tuple(reported)}, expected {spec.coordinate(rank)}")
+
+    # -- status -----------------------------------------------------------
+
+    def status(self, timeout: float = 10.0) -> LabStatus:
+        """Every rank: process, liveness, device, process group generation, coordinate."""
+        if self.cluster is None:
+            return LabStatus(self.plan.describe(), running=False)
+        cluster = self.cluster
+        rows = []
+        pending = {rank: cluster.engine(rank).apply_async(rank_runtime.identity) for rank in range(self.world_size)}
+        deadline = time.monotonic() + timeout
+        for rank, result in pending.items():
+            alive = cluster.is_alive(rank)
+            info = None
+            if alive:
+                try:
+                    info = result.get(max(0.0, deadline - time.monotonic()))
+                except Exception:
+                    info = None
+            state = "dead" if not alive else "ready" if info and info["group_ready"] else "busy" if info is None else "no group"
+            rows.append(
+                RankStatus(
+                    rank=rank,
+                    engine=cluster.engine_of.get(rank),
+                    pid=cluster.pid_of.get(rank),
+                    state=state,
+                    device=info["device"] if info else "?",
+                    threads=info["threads"] if info else None,
+                    generation=info["generation"] if info else None,
+                    coordinate=self.mesh_spec.coordinate(rank) if self.mesh_spec else None,
+                )
+            )
+        return LabStatus(
+            self.plan.describe(),
+            running=True,
+            generation=self.generation,
+            mesh=self.mesh_spec.describe() if self.mesh_spec else None,
+            timeout=self.timeout,
+            ranks=tuple(rows),
+        )

@@ -1,0 +1,312 @@
+"""What lives inside each rank: its identity, its process group, its mesh, its runner.
+
+This module runs in the engines, never in the notebook. ``install()`` is each
+engine's startup command: it builds one ``RankRuntime`` and puts it, with the
+names a cell expects (``rank``, ``world_size``, ``mesh``, ``device``, ``torch``,
+``dist``), into the engine's user namespace. The notebook then reaches the
+runtime through the small module-level functions below, which ipyparallel
+pickles by reference.
+
+The runtime's promise to the notebook: every piece of user work comes back as a
+plain dict (ok, value, error with a trimmed traceback) within its time limit, and
+a rank that fails takes its process group down at once, so that peers waiting
+for it in a collective are released with "connection closed" instead of hanging.
+"""
+
+from __future__ import annotations
+
+import ast
+import linecache
+import os
+import signal
+import socket
+import sys
+import time
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+RUNTIME_NAME = "__labkit__"
+STORE_HOST_DEFAULT = "127.0.0.1"
+
+# Error text by which a rank knows it failed *because of another rank*: the peer
+# closed the connection (it failed first) or the collective timed out waiting.
+_COLLATERAL_MARKERS = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Timed out waiting",
+    "timed out",
+    "Broken pipe",
+    "NCCL communicator was aborted",
+)
+
+
+class RankRuntime:
+    """One rank's state: identity, process group generation, mesh."""
+
+    def __init__(self, namespace: dict, environ=os.environ) -> None:
+        self.namespace = namespace
+        self.rank = int(environ["LABKIT_RANK"])
+        self.world_size = int(environ["LABKIT_WORLD_SIZE"])
+        self.backend = environ.get("LABKIT_BACKEND", "gloo")
+        self.store_host = environ.get("LABKIT_STORE_HOST", STORE_HOST_DEFAULT)
+        self.device = torch.device("cuda", 0) if self.backend == "nccl" else torch.device("cpu")
+        self.generation = 0
+        self.store = None
+        self.mesh = None
+        self.mesh_spec: tuple[tuple[int, ...], tuple[str, ...]] | None = None
+        self.cells_run = 0
+        threads = int(environ.get("LABKIT_THREADS", "1"))
+        torch.set_num_threads(threads)
+        if self.backend == "nccl":
+            torch.cuda.set_device(self.device)
+        self._publish_names()
+
+    # -- names a cell sees --------------------------------------------------
+
+    def _publish_names(self) -> None:
+        self.namespace.update(
+            {
+                RUNTIME_NAME: self,
+                "rank": self.rank,
+                "world_size": self.world_size,
+                "device": self.device,
+                "mesh": self.mesh,
+                "torch": torch,
+                "dist": dist,
+            }
+        )
+
+    def identity(self) -> dict:
+        return {
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "backend": self.backend,
+            "device": str(self.device),
+            "threads": torch.get_num_threads(),
+            "generation": self.generation,
+            "group_ready": dist.is_initialized(),
+            "mesh": None if self.mesh_spec is None else [list(s) for s in self.mesh_spec],
+            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        }
+
+    # -- process group ------------------------------------------------------
+
+    def open_store(self, timeout_seconds: float) -> int:
+        """Rank 0: serve a fresh rendezvous store on the lab's own address.
+
+        TCPStore binds every interface when it opens its own socket, so the
+        socket is opened here, bound to ``store_host`` only, and handed over.
+        """
+        self.store = None  # the previous generation's server closes here
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((self.store_host, 0))
+        listener.listen(max(128, self.world_size * 4))
+        port = listener.getsockname()[1]
+        self.store = dist.TCPStore(
+            self.store_host,
+            port,
+            self.world_size,
+            True,
+            timeout=timedelta(seconds=timeout_seconds),
+            wait_for_workers=False,
+            master_listen_fd=listener.detach(),
+            use_libuv=True,
+        )
+        return port
+
+    def join_group(self, port: int, generation: int, timeout_seconds: float) -> int:
+        """Leave any old process group and join generation ``generation`` at ``port``."""
+        self.leave_group()
+        if self.rank != 0 or self.store is None:
+            self.store = dist.TCPStore(
+                self.store_host,
+                port,
+                self.world_size,
+                False,
+                timeout=timedelta(seconds=timeout_seconds),
+            )
+        dist.init_process_group(
+            self.backend,
+            store=dist.PrefixStore(f"gen{generation}", self.store),
+            rank=self.rank,
+            world_size=self.world_size,
+            timeout=timedelta(seconds=timeout_seconds),
+            device_id=self.device if self.backend == "nccl" else None,
+        )
+        self.generation = generation
+        return self.generation
+
+    def leave_group(self) -> None:
+        """Destroy the process group (and the mesh built on it), closing its sockets."""
+        self.mesh = None
+        self.namespace["mesh"] = None
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # a broken group may complain on the way out
+                pass
+
+    def set_collective_timeout(self, seconds: float) -> None:
+        """Bound every collective of every group by ``seconds`` (the cell's limit)."""
+        if not dist.is_initialized():
+            return
+        from torch.distributed import distributed_c10d as c10d
+
+        limit = timedelta(seconds=seconds)
+        for group in list(c10d._world.pg_map):
+            try:
+                c10d._set_pg_timeout(limit, group)
+            except Exception:  # groups of backends without the knob keep theirs
+                pass
+
+    # -- mesh -----------------------------------------------------------------
+
+    def build_mesh(self, shape: list[int], names: list[str]):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        self.mesh = init_device_mesh(self.device.type, tuple(shape), mesh_dim_names=tuple(names))
+        self.mesh_spec = (tuple(shape), tuple(names))
+        self.namespace["mesh"] = self.mesh
+        return self.mesh.get_coordinate()
+
+    # -- running user work ------------------------------------------------------
+
+    def run_cell(self, code: str, timeout_seconds: float) -> dict:
+        """Run a cell's code in this rank's namespace; the last expression is shown."""
+        self.cells_run += 1
+        filename = f"<lab cell {self.cells_run}>"
+        linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
+
+        def body():
+            tree = ast.parse(code, filename)
+            last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
+            exec(compile(tree, filename, "exec"), self.namespace)
+            if last is not None:
+                value = eval(compile(ast.Expression(last.value), filename, "eval"), self.namespace)
+                return None if value is None else repr(value)
+            return None
+
+        return self._guarded(body, timeout_seconds, result_key="display")
+
+    def call(self, fn, args, kwargs, timeout_seconds: float) -> dict:
+        return self._guarded(lambda: fn(*args, **kwargs), timeout_seconds, result_key="value")
+
+    def _guarded(self, work, timeout_seconds: float, result_key: str) -> dict:
+        started = time.perf_counter()
+        self.set_collective_timeout(timeout_seconds)
+        try:
+            value = work()
+        except BaseException as error:  # noqa: B036 - KeyboardInterrupt too: report, release peers
+            return self._failed(error, started)
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        return {"rank": self.rank, "ok": True, result_key: value, "seconds": time.perf_counter() - started}
+
+    def _failed(self, error: BaseException, started: float) -> dict:
+        # A late Ctrl-C from the notebook must not cut the clean-up short.
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            report = {
+                "rank": self.rank,
+                "ok": False,
+                "seconds": time.perf_counter() - started,
+                "error": {
+                    "type": type(error).__name__,
+                    "message": str(error),
+                    "traceback": _user_traceback(error),
+                    "kind": classify_error(error),
+                },
+            }
+            # Peers blocked on us in a collective get "connection closed" now,
+            # not at the timeout. The notebook rebuilds the group afterwards.
+            self.leave_group()
+            return report
+        finally:
+            signal.signal(signal.SIGINT, previous)
+
+
+def classify_error(error: BaseException) -> str:
+    """'interrupted', 'collective' (failed because a peer failed or hung) or 'raised'."""
+    if isinstance(error, KeyboardInterrupt):
+        return "interrupted"
+    text = str(error)
+    distributed_error = isinstance(error, getattr(dist, "DistError", ())) or "gloo" in text or "c10d" in text
+    if distributed_error and any(marker in text for marker in _COLLATERAL_MARKERS):
+        return "collective"
+    return "raised"
+
+
+def _user_traceback(error: BaseException) -> str:
+    """The traceback from the user's code down, without the runtime's own frames."""
+    tb = error.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+        tb = tb.tb_next
+    return "".join(traceback.format_exception(type(error), error, tb))
+
+
+# ---------------------------------------------------------------------------
+# Entry points the notebook calls (pickled by reference, so they must stay here)
+# ---------------------------------------------------------------------------
+
+
+def install() -> None:
+    """Engine startup command: create this rank's runtime in the user namespace."""
+    from IPython import get_ipython
+
+    namespace = get_ipython().user_ns
+    try:
+        RankRuntime(namespace)
+    except Exception:
+        namespace["__labkit_install_error__"] = traceback.format_exc()
+
+
+def _runtime() -> RankRuntime:
+    from IPython import get_ipython
+
+    namespace = get_ipython().user_ns
+    if RUNTIME_NAME not in namespace:
+        problem = namespace.get("__labkit_install_error__", "the engine was not started by labkit")
+        raise RuntimeError(f"this engine has no labkit runtime:\n{problem}")
+    return namespace[RUNTIME_NAME]
+
+
+def identity() -> dict:
+    return _runtime().identity()
+
+
+def open_store(timeout_seconds: float) -> int:
+    return _runtime().open_store(timeout_seconds)
+
+
+def join_group(port: int, generation: int, timeout_seconds: float) -> int:
+    return _runtime().join_group(port, generation, timeout_seconds)
+
+
+def leave_group() -> None:
+    _runtime().leave_group()
+
+
+def build_mesh(shape: list[int], names: list[str]):
+    return _runtime().build_mesh(shape, names)
+
+
+def run_cell(code: str, timeout_seconds: float) -> dict:
+    return _runtime().run_cell(code, timeout_seconds)
+
+
+def call(fn, args, kwargs, timeout_seconds: float) -> dict:
+    return _runtime().call(fn, args, kwargs, timeout_seconds)
+
+
+def all_reduce_check() -> float:
+    """One all-reduce of ones; returns the sum (== world size when the group works)."""
+    tensor = torch.ones(1, device=_runtime().device)
+    dist.all_reduce(tensor)
+    return float(tensor.item())
