@@ -1,1 +1,56 @@
-"""labkit: a Jupyter-first lab for distributed training."""
+"""labkit: a Jupyter-first lab for distributed training.
+
+``from labkit import Lab`` gives the Python API; ``%load_ext labkit`` gives the
+``%lab`` / ``%%lab`` magics, which wrap it. Names are imported on first use, so
+``import labkit`` itself stays cheap.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "Lab": "labkit.lab",
+    "MeshSpec": "labkit.mesh",
+    "MeshError": "labkit.mesh",
+    "DeviceError": "labkit.devices",
+    "LabError": "labkit.errors",
+    "StartupError": "labkit.errors",
+    "RankFailure": "labkit.errors",
+    "RankTimeout": "labkit.errors",
+    "RankInterrupted": "labkit.errors",
+    "LabNotRunning": "labkit.errors",
+    "this_rank": "labkit.rank_runtime",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'labkit' has no attribute {name!r}")
+
+
+def load_ipython_extension(shell) -> None:
+    """``%load_ext labkit``: register the ``%lab`` magics (the lab itself starts on ``%lab start``)."""
+    from .magics import LabMagics
+
+    magics = LabMagics(shell)
+    shell.register_magics(magics)
+    shell._labkit_magics = magics  # so unload can stop the lab it holds
+
+
+def unload_ipython_extension(shell) -> None:
+    magics = getattr(shell, "_labkit_magics", None)
+    if magics is not None:
+        magics.close()
+        del shell._labkit_magics
+
+
+# A library logs, the application decides where to: without this, Python's
+# last-resort handler would print the cluster's shutdown chatter into notebooks.
+logging.getLogger("labkit").addHandler(logging.NullHandler())

@@ -54,6 +54,7 @@ class RankCluster:
         self.client: ipyparallel.Client | None = None
         self.engine_of: dict[int, int] = {}  # rank -> ipyparallel engine id
         self.pid_of: dict[int, int] = {}  # rank -> process id
+        self.retired_engines: set[int] = set()  # engine ids of replaced ranks, maybe not yet unregistered
         self.capabilities: dict = {}
 
     # -- paths --------------------------------------------------------------
@@ -159,14 +160,17 @@ class RankCluster:
     def _wait_for_ranks(self, ranks: set[int], deadline: float) -> None:
         """Wait until every rank in ``ranks`` has registered; map ranks to engine ids."""
         assert self.client is not None
-        known = set(self.engine_of.values())
+        seen = set(self.engine_of.values()) | self.retired_engines
         waiting = set(ranks)
-        identified: set[int] = set()
         while waiting:
-            new_ids = [engine for engine in self.client.ids if engine not in known and engine not in identified]
+            new_ids = [engine for engine in self.client.ids if engine not in seen]
             if new_ids:
-                for engine, info in zip(new_ids, self.client[new_ids].apply_sync(rank_runtime.identity)):
-                    identified.add(engine)
+                seen.update(new_ids)
+                for engine in new_ids:
+                    try:
+                        info = self.client[engine].apply_sync(rank_runtime.identity)
+                    except Exception:  # an engine that died after registering
+                        continue
                     if info["rank"] in waiting:
                         self.engine_of[info["rank"]] = engine
                         self.pid_of[info["rank"]] = info["pid"]
@@ -242,7 +246,8 @@ class RankCluster:
             engine_set = f"rank{rank}"
             if engine_set in self.cluster.engines:
                 self.cluster.stop_engines_sync(engine_set)
-            self.engine_of.pop(rank, None)
+            if rank in self.engine_of:
+                self.retired_engines.add(self.engine_of.pop(rank))
         deadline = time.monotonic() + (timeout or self.start_timeout)
         for rank in ranks:
             self._start_rank(rank, deadline)
@@ -306,3 +311,4 @@ class RankCluster:
             self.workdir = None
         self.engine_of.clear()
         self.pid_of.clear()
+        self.retired_engines.clear()

@@ -23,6 +23,7 @@ from .rank_output import LiveOutput, RankTexts
 
 POLL_SECONDS = 0.02
 LIVENESS_CHECK_SECONDS = 0.5
+OUTPUT_GRACE_SECONDS = 2.0
 
 
 def _report(rank: int, kind: str, error_type: str, message: str, traceback: str = "") -> dict:
@@ -66,6 +67,9 @@ class RankWork:
         """Move finished ranks from ``pending`` to ``reports``; refresh output."""
         for rank, result in list(self.pending.items()):
             done = result.ready()
+            if done:
+                # The result can overtake the rank's last output on the wire.
+                result.wait_for_output(OUTPUT_GRACE_SECONDS)
             self.output.update(rank, result.stdout or "", result.stderr or "")
             if not done:
                 continue

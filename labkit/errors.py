@@ -65,6 +65,10 @@ class RankFailure(LabError):
         self.replaced = tuple(sorted(replaced))
         self.recovery = recovery
         super().__init__(self.summary())
+        # Scripts print notes under the message; IPython uses _render_traceback_.
+        details = self.details()
+        if details:
+            self.add_note(details)
 
     # -- grouping -------------------------------------------------------------
 
@@ -143,10 +147,6 @@ class RankFailure(LabError):
         if self.recovery:
             blocks.append(self.recovery)
         return "\n".join(blocks)
-
-    def __str__(self) -> str:
-        details = self.details()
-        return f"{self.summary()}\n{details}" if details else self.summary()
 
     def _render_traceback_(self) -> list[str]:
         """IPython shows this instead of the notebook-side traceback, which says nothing."""

@@ -267,6 +267,14 @@ def install() -> None:
         namespace["__labkit_install_error__"] = traceback.format_exc()
 
 
+def this_rank() -> RankRuntime:
+    """Inside a rank: its runtime (``.rank``, ``.world_size``, ``.mesh``, ``.device``).
+
+    For functions defined in modules, which do not see the rank's namespace.
+    """
+    return _runtime()
+
+
 def _runtime() -> RankRuntime:
     from IPython import get_ipython
 

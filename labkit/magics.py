@@ -1,0 +1,193 @@
+"""``%lab`` and ``%%lab``: thin notebook wrappers over ``labkit.Lab``.
+
+    %load_ext labkit
+    %lab start 4              start 4 ranks (gloo on CPU; nccl, one per GPU, with CUDA)
+    %lab mesh dp=2 tp=2       build a named device mesh on every rank and draw it
+    %%lab [--ranks 0,2] [--timeout 30]
+    ...                       run the cell on every rank (or the given ones)
+    %lab status               one row per rank
+    %lab timeout 60           default time limit for each cell, in seconds
+    %lab restart | stop       fresh processes | stop everything
+
+Each magic parses its words and calls one method of the ``Lab`` it holds; the
+``Lab`` is also put in the notebook as ``lab`` for the Python API.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import time
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, line_cell_magic, magics_class
+
+from .lab import Lab
+from .mesh import MeshSpec
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports mistakes as IPython usage errors instead of exiting."""
+
+    def error(self, message):
+        raise UsageError(f"{self.prog}: {message}\n{self.format_usage().strip()}")
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return value
+
+
+def _rank_list(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"ranks are written 0,2,3; got {text!r}") from None
+
+
+def _build_parsers():
+    start = _Parser(prog="%lab start", add_help=False)
+    start.add_argument("ranks", nargs="?", type=int, default=4)
+    start.add_argument("--backend", choices=("gloo", "nccl"))
+    start.add_argument("--timeout", type=_seconds, help="default limit for each cell, seconds")
+    start.add_argument("--start-timeout", type=_seconds, help="limit for the ranks to come up, seconds")
+    start.add_argument("--threads", type=int, help="torch threads per rank")
+    cell = _Parser(prog="%%lab", add_help=False)
+    cell.add_argument("--ranks", type=_rank_list, help="run on these ranks only, e.g. 0,2")
+    cell.add_argument("--timeout", type=_seconds, help="limit for this cell, seconds")
+    return start, cell
+
+
+@magics_class
+class LabMagics(Magics):
+    """Holds this notebook's lab; every magic delegates to it."""
+
+    def __init__(self, shell):
+        super().__init__(shell)
+        self.lab: Lab | None = None
+        self._start_parser, self._cell_parser = _build_parsers()
+
+    # -- dispatch -------------------------------------------------------------
+
+    @line_cell_magic
+    def lab(self, line: str, cell: str | None = None):
+        """Start, shape and use live torch.distributed ranks. See ``labkit.magics``.
+
+        %lab start [N] [--backend gloo|nccl] [--timeout S] [--start-timeout S] [--threads K]
+        %lab mesh name=size [name=size ...]     (one size may be -1)
+        %lab status | %lab timeout S | %lab restart | %lab stop
+        %%lab [--ranks 0,2] [--timeout S]       run the cell on the ranks
+        """
+        if cell is not None:
+            return self._run_cell(line, cell)
+        words = shlex.split(line)
+        if not words:
+            return self.status("")
+        command, rest = words[0], words[1:]
+        handlers = {
+            "start": self.start,
+            "mesh": self.mesh,
+            "status": self.status,
+            "stop": self.stop,
+            "restart": self.restart,
+            "timeout": self.timeout,
+        }
+        if command not in handlers:
+            raise UsageError(f"unknown %lab command {command!r}; use one of: {', '.join(handlers)}")
+        return handlers[command](rest)
+
+    def _require_lab(self) -> Lab:
+        if self.lab is None or not self.lab.running:
+            raise UsageError("no lab is running: start one with %lab start 4")
+        return self.lab
+
+    def _publish(self, lab: Lab) -> None:
+        namespace = self.shell.user_ns
+        if not isinstance(namespace.get("lab"), (Lab, type(None))):
+            return  # the notebook uses the name `lab` for something else: leave it alone
+        namespace["lab"] = lab
+
+    # -- commands ---------------------------------------------------------
+
+    def start(self, words):
+        options = self._start_parser.parse_args(words)
+        wanted = dict(ranks=options.ranks, backend=options.backend, threads_per_rank=options.threads)
+        settings = {
+            key: value
+            for key, value in (("timeout", options.timeout), ("start_timeout", options.start_timeout))
+            if value is not None
+        }
+        candidate = Lab(**wanted, **settings)  # validates before anything starts
+        current = self.lab
+        if current is not None and current.running and current.plan == candidate.plan:
+            for key, value in settings.items():
+                setattr(current, key, value)
+            if current.status().healthy:
+                print(f"lab already running ({current.plan.describe()}); reusing it")
+                self._publish(current)
+                return None
+        if current is not None and current.running:
+            current.stop()
+            print(f"stopped the previous lab ({current.plan.describe()})")
+        began = time.monotonic()
+        candidate.start()
+        self.lab = candidate
+        self._publish(candidate)
+        print(
+            f"{candidate.plan.describe()}: ready in {time.monotonic() - began:.1f} s "
+            f"(process group generation {candidate.generation})"
+        )
+        return None
+
+    def mesh(self, words) -> MeshSpec:
+        lab = self._require_lab()
+        spec = MeshSpec.parse(" ".join(words), lab.world_size)
+        return lab.mesh(**dict(zip(spec.names, spec.shape)))
+
+    def status(self, words):
+        if self.lab is None:
+            print("no lab yet: start one with %lab start 4")
+            return None
+        return self.lab.status()
+
+    def stop(self, words):
+        if self.lab is None or not self.lab.running:
+            print("no lab is running")
+            return None
+        self.lab.stop()
+        print("lab stopped: no rank, controller or port left")
+        return None
+
+    def restart(self, words):
+        lab = self._require_lab()
+        began = time.monotonic()
+        lab.restart()
+        print(f"{lab.plan.describe()}: restarted in {time.monotonic() - began:.1f} s")
+        return None
+
+    def timeout(self, words):
+        lab = self._require_lab()
+        if len(words) != 1:
+            raise UsageError("give the limit in seconds, e.g. %lab timeout 60")
+        try:
+            lab.timeout = _seconds(words[0])
+        except (ValueError, argparse.ArgumentTypeError) as error:
+            raise UsageError(f"%lab timeout: {error}") from None
+        print(f"each cell may now run for {lab.timeout:g} s")
+        return None
+
+    # -- cells ------------------------------------------------------------
+
+    def _run_cell(self, line: str, cell: str):
+        lab = self._require_lab()
+        options = self._cell_parser.parse_args(shlex.split(line))
+        lab.run_cell(cell, ranks=options.ranks, timeout=options.timeout)
+        return None
+
+    # -- extension lifecycle ---------------------------------------------------
+
+    def close(self) -> None:
+        if self.lab is not None:
+            self.lab.stop()

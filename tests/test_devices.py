@@ -1,0 +1,54 @@
+"""Backend and device planning, decided before any process starts."""
+
+import pytest
+
+from labkit.devices import DeviceError, plan_ranks, visible_gpus
+
+
+def test_cpu_machine_defaults_to_gloo():
+    plan = plan_ranks(4, gpus=(), cpu_count=2)
+    assert plan.backend == "gloo" and plan.device_type == "cpu"
+    assert plan.threads_per_rank == 1
+    assert [env["LABKIT_RANK"] for env in plan.env_per_rank] == ["0", "1", "2", "3"]
+    assert all(env["CUDA_VISIBLE_DEVICES"] == "" for env in plan.env_per_rank)
+    assert all(env["LABKIT_STORE_HOST"] == "127.0.0.1" for env in plan.env_per_rank)
+
+
+def test_gpus_default_to_nccl_one_rank_per_gpu():
+    plan = plan_ranks(2, gpus=("0", "1", "2"))
+    assert plan.backend == "nccl" and plan.device_type == "cuda"
+    assert [env["CUDA_VISIBLE_DEVICES"] for env in plan.env_per_rank] == ["0", "1"]
+
+
+def test_gloo_can_be_chosen_on_a_gpu_machine():
+    plan = plan_ranks(4, backend="gloo", gpus=("0",))
+    assert plan.backend == "gloo"
+
+
+def test_nccl_without_gpus_is_refused():
+    with pytest.raises(DeviceError, match="nccl needs GPUs.*backend='gloo'"):
+        plan_ranks(2, backend="nccl", gpus=())
+
+
+def test_more_nccl_ranks_than_gpus_is_refused():
+    with pytest.raises(DeviceError, match="4 ranks asked, 2 GPU"):
+        plan_ranks(4, backend="nccl", gpus=("0", "1"))
+
+
+@pytest.mark.parametrize("ranks", [0, -1, 2.5, "4", True])
+def test_rank_count_must_be_positive_integer(ranks):
+    with pytest.raises(DeviceError, match="positive integer"):
+        plan_ranks(ranks, gpus=())
+
+
+def test_unknown_backend_and_bad_threads():
+    with pytest.raises(DeviceError, match="unknown backend 'mpi'"):
+        plan_ranks(2, backend="mpi", gpus=())
+    with pytest.raises(DeviceError, match="threads_per_rank"):
+        plan_ranks(2, gpus=(), threads_per_rank=0)
+
+
+def test_visible_gpus_honours_cuda_visible_devices():
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": "3,5"}) == ("3", "5")
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": ""}) == ()
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": "-1"}) == ()

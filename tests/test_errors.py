@@ -1,0 +1,57 @@
+"""How failures on several ranks are grouped and told."""
+
+from labkit.errors import RankFailure, RankInterrupted
+
+
+def _error(kind, error_type="ValueError", message="bad", traceback="Traceback...\nValueError: bad"):
+    return {"ok": False, "error": {"kind": kind, "type": error_type, "message": message, "traceback": traceback}}
+
+
+CLOSED = "[/src/gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:{port}. This is typically caused"
+
+
+def test_cause_first_then_released_ranks_grouped():
+    reports = {
+        0: _error("collective", "RuntimeError", CLOSED.format(port=1111)),
+        1: _error("raised"),
+        2: _error("collective", "RuntimeError", CLOSED.format(port=2222)),
+        3: {"ok": True, "value": 3},
+    }
+    failure = RankFailure(reports, recovery="rebuilt")
+    assert failure.summary() == "rank 1 raised ValueError; ranks 0, 2 failed in a collective waiting on a peer"
+    details = failure.details()
+    assert "--- rank 1 ---\nTraceback...\nValueError: bad" in details
+    # Peer ports and source paths differ per rank; the grouped message drops them.
+    assert "--- ranks 0, 2 (released from a collective) ---\nRuntimeError: Connection closed by peer [peer]" in details
+    assert details.endswith("rebuilt")
+    assert failure.failed_ranks == [0, 1, 2]
+    assert str(failure) == failure.summary()
+    assert failure.__notes__ == [details]
+
+
+def test_identical_tracebacks_are_shown_once():
+    reports = {rank: _error("raised") for rank in range(3)}
+    failure = RankFailure(reports)
+    assert failure.summary() == "ranks 0, 1, 2 raised ValueError"
+    assert failure.details().count("Traceback...") == 1
+
+
+def test_hung_and_replaced_ranks_are_named():
+    reports = {
+        0: _error("interrupted", "KeyboardInterrupt", "", 'Traceback\n  File "<lab cell 2>", line 3, in <module>'),
+        1: _error("interrupted", "Unresponsive", "did not respond"),
+        2: _error("died", "ProcessDied", "the rank's process exited (exit code 3)"),
+    }
+    failure = RankFailure(reports, timed_out=True, timeout_seconds=3, replaced=(1,))
+    summary = failure.summary()
+    assert "rank 2 died" in summary
+    assert "ranks 0, 1 did not finish within 3 s and were interrupted" in summary
+    assert "rank 1 did not respond and was replaced" in summary
+    assert 'interrupted while in File "<lab cell 2>", line 3' in failure.details()
+
+
+def test_interrupt_is_a_keyboard_interrupt():
+    failure = RankInterrupted({0: _error("interrupted", "KeyboardInterrupt", "")}, interrupted=True)
+    assert isinstance(failure, KeyboardInterrupt) and isinstance(failure, RankFailure)
+    assert failure.summary() == "rank 0 interrupted"
+    assert failure._render_traceback_()[0] == "RankInterrupted: rank 0 interrupted"
