@@ -79,8 +79,11 @@ class RankCluster:
             self.stop()
             if isinstance(error, StartupError):
                 raise
-            if isinstance(error, (HostError, TimeoutError, OSError)):
-                raise StartupError(f"the lab could not start: {error}") from error
+            if isinstance(error, (HostError, TimeoutError, OSError, RuntimeError)):
+                raise StartupError(
+                    f"the lab did not start within {self.start_timeout:g} s (start_timeout): "
+                    f"{error or type(error).__name__}. Nothing was left running."
+                ) from error
             raise
 
     def _start(self, deadline: float) -> None:

@@ -100,7 +100,9 @@ class RankWork:
                 self._check_alive()
                 next_liveness = time.monotonic() + LIVENESS_CHECK_SECONDS
             if self.pending:
-                time.sleep(POLL_SECONDS)
+                # Wakes as soon as a result lands, else redraws output every POLL_SECONDS.
+                first = next(iter(self.pending.values()))
+                first.wait(max(0.0, min(POLL_SECONDS, deadline - time.monotonic())))
         self._collect()
 
     # -- bringing stuck ranks back ---------------------------------------------
@@ -161,5 +163,5 @@ class RankWork:
         return bool(self.replaced) or any(not report.get("ok") for report in self.reports.values())
 
 
-def make_output(ranks, live: bool | None = None) -> LiveOutput:
-    return LiveOutput(RankTexts(ranks), live=live)
+def make_output(ranks, live: bool | None = None, show_values: bool = True) -> LiveOutput:
+    return LiveOutput(RankTexts(ranks), live=live, show_values=show_values)

@@ -213,7 +213,7 @@ class Lab:
     def _limit(self, timeout) -> float:
         return self.timeout if timeout is None else _positive_seconds("timeout", timeout)
 
-    def _execute(self, ranks, entry, args, timeout, live=None) -> dict[int, dict]:
+    def _execute(self, ranks, entry, args, timeout, live=None, show_values=False) -> dict[int, dict]:
         cluster = self._require_running()
         limit = self._limit(timeout)
         work = RankWork(
@@ -223,12 +223,15 @@ class Lab:
             (*args, limit),
             timeout=limit,
             interrupt_grace=self.interrupt_grace,
-            output=make_output(ranks, live=live),
+            output=make_output(ranks, live=live, show_values=show_values),
         )
         reports = work.wait()
         if not work.failed:
             return reports
-        recovery = self._recover(work)
+        try:
+            recovery = self._recover(work)
+        except LabError as error:
+            recovery = f"The process group could not be rebuilt ({error}); call lab.restart() (or %lab restart)."
         kind = RankInterrupted if work.interrupted else RankTimeout if work.timed_out else RankFailure
         raise kind(
             reports,
@@ -250,13 +253,17 @@ class Lab:
         reports = self._execute(ranks, rank_runtime.call, (fn, args, kwargs), timeout)
         return [reports[rank]["value"] for rank in ranks]
 
-    def run_cell(self, code: str, ranks=None, timeout: float | None = None, live: bool | None = None) -> list:
+    def run_cell(
+        self, code: str, ranks=None, timeout: float | None = None, live: bool | None = None, show_values: bool = False
+    ) -> list:
         """Run notebook code on the ranks (all, or ``ranks``); output is labelled by rank.
 
-        Returns the repr of each rank's last expression (None where there is none).
+        Returns the repr of each rank's last expression (None where there is none);
+        ``show_values`` also prints them as ``[rank r] Out: ...``, as ``%%lab`` does.
+        ``live`` forces (True) or avoids (False) the redrawn notebook display.
         """
         targets = self._targets(ranks)
-        reports = self._execute(targets, rank_runtime.run_cell, (code,), timeout, live=live)
+        reports = self._execute(targets, rank_runtime.run_cell, (code,), timeout, live=live, show_values=show_values)
         return [reports[rank].get("display") for rank in targets]
 
     # -- mesh -------------------------------------------------------------

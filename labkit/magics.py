@@ -183,7 +183,7 @@ class LabMagics(Magics):
     def _run_cell(self, line: str, cell: str):
         lab = self._require_lab()
         options = self._cell_parser.parse_args(shlex.split(line))
-        lab.run_cell(cell, ranks=options.ranks, timeout=options.timeout)
+        lab.run_cell(cell, ranks=options.ranks, timeout=options.timeout, show_values=True)
         return None
 
     # -- extension lifecycle ---------------------------------------------------

@@ -218,19 +218,15 @@ class _Host:
             self.handle(line)
 
     def terminate_children(self) -> None:
+        """SIGTERM every child (and what it started), then SIGKILL what is left."""
         os.close(self.life_write_fd)
-        for pid in list(self.children):
-            _signal_group(pid, signal.SIGTERM)
-        deadline = time.monotonic() + TERMINATE_GRACE_SECONDS
-        while self.children and time.monotonic() < deadline:
-            self.reap()
-            time.sleep(0.05)
-        for pid in list(self.children):
-            _signal_group(pid, signal.SIGKILL)
-        deadline = time.monotonic() + TERMINATE_GRACE_SECONDS
-        while self.children and time.monotonic() < deadline:
-            self.reap()
-            time.sleep(0.05)
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            for pid in list(self.children):
+                _signal_group(pid, sig)
+            deadline = time.monotonic() + TERMINATE_GRACE_SECONDS
+            while self.children and time.monotonic() < deadline:
+                self.reap()
+                time.sleep(0.05)
 
 
 def _signal_group(pid: int, sig: int) -> None:
@@ -343,7 +339,10 @@ class ProcessHost:
         return future
 
     def spawn(self, entry: str, argv: list[str], env: dict[str, str], log: str, timeout: float) -> int:
-        reply = self.request_spawn(entry, argv, env, log, cwd=os.getcwd()).result(timeout)
+        try:
+            reply = self.request_spawn(entry, argv, env, log, cwd=os.getcwd()).result(timeout)
+        except TimeoutError:
+            raise HostError(f"the process host did not start the {entry} within {timeout:.1f} s") from None
         if "error" in reply:
             raise HostError(f"could not start the {entry}: {reply['error']}")
         return reply["pid"]

@@ -42,6 +42,9 @@ class RankTexts:
         """The value of a cell's last expression on ``rank`` (already a repr), or None."""
         self.results[rank] = shown
 
+    def forget_results(self) -> None:
+        self.results = {rank: None for rank in self.ranks}
+
     def render(self) -> tuple[str, str]:
         """(stdout, stderr) of all ranks, in rank order, every line labelled."""
         out, err = [], []
@@ -65,8 +68,9 @@ def _in_kernel() -> bool:
 class LiveOutput:
     """Shows a ``RankTexts`` while work runs and prints it in rank order when done."""
 
-    def __init__(self, texts: RankTexts, live: bool | None = None) -> None:
+    def __init__(self, texts: RankTexts, live: bool | None = None, show_values: bool = True) -> None:
         self.texts = texts
+        self.show_values = show_values
         self.in_kernel = _in_kernel() if live is None else live
         self._handle = None
         self._last_draw = 0.0
@@ -108,6 +112,8 @@ class LiveOutput:
 
     def finish(self) -> None:
         """Empty the live view and print everything once, in rank order."""
+        if not self.show_values:
+            self.texts.forget_results()
         if self.in_kernel:
             if self._handle is not None:
                 self._handle.update({"text/plain": ""}, raw=True)

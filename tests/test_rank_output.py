@@ -25,6 +25,13 @@ def test_update_returns_only_new_text():
     assert texts.update(0, "a\nb\n", "e") == ("b\n", "e")
 
 
+def test_values_are_shown_only_when_asked(capsys):
+    output = LiveOutput(RankTexts([0]), live=False, show_values=False)
+    output.texts.set_result(0, "1")
+    output.finish()
+    assert capsys.readouterr().out == ""
+
+
 def test_outside_a_kernel_lines_print_as_they_come(capsys):
     output = LiveOutput(RankTexts([0, 1]), live=False)
     output.update(1, "late\n", "")

@@ -1,0 +1,82 @@
+"""%lab and %%lab through IPython's own shell, on a real 2-rank lab."""
+
+import pytest
+from IPython.core.error import UsageError
+from IPython.testing.globalipapp import start_ipython
+
+from labkit import DeviceError, Lab, MeshError, RankFailure
+
+pytestmark = pytest.mark.lab
+
+
+@pytest.fixture(scope="module")
+def shell():
+    ip = start_ipython()
+    ip.run_line_magic("load_ext", "labkit")
+    yield ip
+    ip.run_line_magic("unload_ext", "labkit")
+
+
+@pytest.fixture(scope="module")
+def started(shell):
+    shell.run_line_magic("lab", "start 2 --backend gloo --threads 1 --timeout 20")
+    yield shell
+    shell.run_line_magic("lab", "stop")
+
+
+def test_cell_magic_without_a_lab_says_how_to_start(shell):
+    with pytest.raises(UsageError, match="%lab start"):
+        shell.run_cell_magic("lab", "", "print(rank)")
+
+
+def test_bad_start_arguments_are_refused_before_starting(shell):
+    with pytest.raises(DeviceError, match="positive integer"):
+        shell.run_line_magic("lab", "start 0")
+    with pytest.raises(DeviceError, match="nccl needs GPUs"):
+        shell.run_line_magic("lab", "start 2 --backend nccl")
+    with pytest.raises(UsageError, match="invalid choice"):
+        shell.run_line_magic("lab", "start 2 --backend mpi")
+    with pytest.raises(UsageError, match="unknown %lab command"):
+        shell.run_line_magic("lab", "launch 2")
+
+
+def test_start_publishes_the_lab(started, capsys):
+    lab = started.user_ns["lab"]
+    assert isinstance(lab, Lab) and lab.running and lab.world_size == 2
+    started.run_line_magic("lab", "start 2 --backend gloo --threads 1")
+    assert "reusing it" in capsys.readouterr().out
+    assert started.user_ns["lab"] is lab
+
+
+def test_mesh_magic_draws_and_validates(started):
+    spec = started.run_line_magic("lab", "mesh dp=1 tp=-1")
+    assert spec.shape == (1, 2) and "groups along tp: [0, 1]" in str(spec)
+    with pytest.raises(MeshError, match="must multiply to 2"):
+        started.run_line_magic("lab", "mesh dp=4")
+
+
+def test_cell_magic_runs_on_every_rank(started, capsys):
+    started.run_cell_magic("lab", "", "value = rank + 1\nprint('value', value)")
+    started.run_cell_magic("lab", "--ranks 1", "value * 10")
+    out = capsys.readouterr().out
+    assert "[rank 0] value 1" in out and "[rank 1] value 2" in out
+    assert "[rank 1] Out: 20" in out and "[rank 0] Out" not in out
+
+
+def test_cell_magic_failure_and_per_cell_timeout(started):
+    with pytest.raises(RankFailure, match="rank 0 raised ZeroDivisionError"):
+        started.run_cell_magic("lab", "", "x = torch.ones(1)\nif rank == 0:\n    1 / 0\ndist.all_reduce(x)")
+    with pytest.raises(RankFailure, match="did not finish within 1 s"):
+        started.run_cell_magic("lab", "--timeout 1", "import time\ntime.sleep(60)")
+    started.run_cell_magic("lab", "", "dist.barrier()")
+
+
+def test_timeout_and_status_commands(started, capsys):
+    started.run_line_magic("lab", "timeout 45")
+    assert started.user_ns["lab"].timeout == 45
+    with pytest.raises(UsageError, match="positive"):
+        started.run_line_magic("lab", "timeout -3")
+    status = started.run_line_magic("lab", "status")
+    assert status.healthy and "cell timeout 45 s" in str(status)
+    with pytest.raises(UsageError, match="--ranks"):
+        started.run_cell_magic("lab", "--ranks one", "rank")
