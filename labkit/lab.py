@@ -25,6 +25,11 @@ from .dispatch import RankWork, make_output
 from .errors import LabError, LabNotRunning, RankFailure, RankInterrupted, RankTimeout, format_ranks
 from .mesh import MeshError, MeshSpec
 from .status import LabStatus, RankStatus
+from .train_config import resolve as resolve_training
+from .train_report import TrainReport, check_budget
+
+# Single-axis strategies a memory-budget refusal may suggest, with the settings they ignore.
+_SHARDING_ALTERNATIVES = ("fsdp", "tp", "pp")
 
 DEFAULT_TIMEOUT = 300.0
 DEFAULT_START_TIMEOUT = 60.0
@@ -265,6 +270,63 @@ class Lab:
         targets = self._targets(ranks)
         reports = self._execute(targets, rank_runtime.run_cell, (code,), timeout, live=live, show_values=show_values)
         return [reports[rank].get("display") for rank in targets]
+
+    # -- training ---------------------------------------------------------
+
+    def train(
+        self,
+        strategy: str = "ddp",
+        model: str = "mlp",
+        steps: int = 20,
+        mesh: dict | None = None,
+        timeout: float | None = None,
+        **settings,
+    ) -> TrainReport:
+        """Train a zoo model on every rank under ``strategy``; return a ``TrainReport``.
+
+        strategy: ddp, fsdp, tp, pp, or a composition such as fsdp+tp, ddp+pp, pp+tp.
+        model: 'mlp' or 'gpt' (``model_settings=dict(dim=128, layers=8)`` resizes it).
+        mesh: axis sizes for a composition, e.g. ``dict(dp=2, tp=2)``.
+        settings: global_batch, micro_batches (gradient accumulation; pipeline
+        microbatches under pp), lr, optimizer ('adamw' or 'sgd'), seed,
+        bucket_cap_mb (ddp), reshard_after_forward (fsdp), sequence_parallel (tp),
+        schedule ('gpipe' or '1f1b'), max_memory (e.g. '64MB': refuse a run whose
+        parameters, gradients and optimizer state exceed it on any rank), verify
+        (compare with single-process training), log_every.
+        Everything is checked before any rank does work.
+        """
+        from . import train as rank_train
+
+        config = resolve_training(self.world_size, mesh=mesh, strategy=strategy, model=model, steps=steps, **settings)
+        self._require_running()
+        if config.max_memory is not None:
+            estimates = self.run(rank_train.estimate_memory, config, timeout=self.start_timeout)
+            check_budget(config, estimates, self._sharded_estimates(config))
+        reports = self._execute(
+            list(range(self.world_size)), rank_runtime.call, (rank_train.train, (config,), {}), timeout
+        )
+        return TrainReport(config, [reports[rank]["value"] for rank in range(self.world_size)])
+
+    def _sharded_estimates(self, config) -> dict[str, int]:
+        """Largest per-rank bytes of the same model under each single sharding strategy."""
+        from . import train as rank_train
+
+        found = {}
+        for name in _SHARDING_ALTERNATIVES:
+            if name == config.strategy:
+                continue
+            settings = config.as_dict()
+            for key in ("strategy", "mesh_names", "mesh_shape", "max_memory", "sequence_parallel"):
+                settings.pop(key)
+            if name == "pp":
+                settings["micro_batches"] = max(settings["micro_batches"], self.world_size)
+            try:
+                alternative = resolve_training(self.world_size, strategy=name, **settings)
+            except ValueError:
+                continue  # this model cannot be split that way on these ranks
+            estimates = self.run(rank_train.estimate_memory, alternative, timeout=self.start_timeout)
+            found[name] = max(sum(memory.values()) for memory in estimates)
+        return found
 
     # -- mesh -------------------------------------------------------------
 

@@ -3,6 +3,8 @@
     %load_ext labkit
     %lab start 4              start 4 ranks (gloo on CPU; nccl, one per GPU, with CUDA)
     %lab mesh dp=2 tp=2       build a named device mesh on every rank and draw it
+    %lab train --strategy fsdp --model gpt --steps 50 [--verify]
+                              train a zoo model under a strategy (see Lab.train)
     %%lab [--ranks 0,2] [--timeout 30]
     ...                       run the cell on every rank (or the given ones)
     %lab status               one row per rank
@@ -47,6 +49,19 @@ def _rank_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"ranks are written 0,2,3; got {text!r}") from None
 
 
+def _settings(text: str) -> dict:
+    """``dim=128,layers=8`` -> {"dim": 128, "layers": 8} (integers where they are integers)."""
+    settings = {}
+    for word in text.replace(" ", ",").split(","):
+        if not word:
+            continue
+        name, equals, value = word.partition("=")
+        if not equals:
+            raise argparse.ArgumentTypeError(f"write settings as name=value, got {word!r}")
+        settings[name] = int(value) if value.lstrip("-").isdigit() else value
+    return settings
+
+
 def _build_parsers():
     start = _Parser(prog="%lab start", add_help=False)
     start.add_argument("ranks", nargs="?", type=int, default=4)
@@ -54,10 +69,29 @@ def _build_parsers():
     start.add_argument("--timeout", type=_seconds, help="default limit for each cell, seconds")
     start.add_argument("--start-timeout", type=_seconds, help="limit for the ranks to come up, seconds")
     start.add_argument("--threads", type=int, help="torch threads per rank")
+    train = _Parser(prog="%lab train", add_help=False)
+    train.add_argument("--strategy", default="ddp", help="ddp, fsdp, tp, pp or a composition like fsdp+tp")
+    train.add_argument("--model", default="mlp", choices=("mlp", "gpt"))
+    train.add_argument("--steps", type=int, default=20)
+    train.add_argument("--mesh", help="axis sizes for a composition, e.g. dp=2,tp=2")
+    train.add_argument("--batch", type=int, dest="global_batch", default=32, help="global batch (samples per step)")
+    train.add_argument("--micro-batches", type=int, default=1, help="accumulation steps; pipeline microbatches")
+    train.add_argument("--lr", type=float, default=1e-3)
+    train.add_argument("--optimizer", default="adamw", choices=("adamw", "sgd"))
+    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP gradient bucket size")
+    train.add_argument("--no-reshard", action="store_true", help="FSDP: keep gathered parameters after forward")
+    train.add_argument("--sequence-parallel", action="store_true", help="TP: shard norms and residuals by sequence")
+    train.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b"))
+    train.add_argument("--max-memory", help="per-rank budget for params + grads + optimizer state, e.g. 64MB")
+    train.add_argument("--verify", action="store_true", help="compare with single-process training")
+    train.add_argument("--log-every", type=int, default=10)
+    train.add_argument("--model-settings", type=_settings, default={}, help="e.g. dim=128,layers=8")
+    train.add_argument("--timeout", type=_seconds)
     cell = _Parser(prog="%%lab", add_help=False)
     cell.add_argument("--ranks", type=_rank_list, help="run on these ranks only, e.g. 0,2")
     cell.add_argument("--timeout", type=_seconds, help="limit for this cell, seconds")
-    return start, cell
+    return start, train, cell
 
 
 @magics_class
@@ -67,7 +101,7 @@ class LabMagics(Magics):
     def __init__(self, shell):
         super().__init__(shell)
         self.lab: Lab | None = None
-        self._start_parser, self._cell_parser = _build_parsers()
+        self._start_parser, self._train_parser, self._cell_parser = _build_parsers()
 
     # -- dispatch -------------------------------------------------------------
 
@@ -77,6 +111,7 @@ class LabMagics(Magics):
 
         %lab start [N] [--backend gloo|nccl] [--timeout S] [--start-timeout S] [--threads K]
         %lab mesh name=size [name=size ...]     (one size may be -1)
+        %lab train --strategy fsdp --model gpt --steps 50 [--mesh dp=2,tp=2] [--verify] [--max-memory 64MB]
         %lab status | %lab timeout S | %lab restart | %lab stop
         %%lab [--ranks 0,2] [--timeout S]       run the cell on the ranks
         """
@@ -93,6 +128,7 @@ class LabMagics(Magics):
             "stop": self.stop,
             "restart": self.restart,
             "timeout": self.timeout,
+            "train": self.train,
         }
         if command not in handlers:
             raise UsageError(f"unknown %lab command {command!r}; use one of: {', '.join(handlers)}")
@@ -140,6 +176,17 @@ class LabMagics(Magics):
             f"(process group generation {candidate.generation})"
         )
         return None
+
+    def train(self, words):
+        lab = self._require_lab()
+        options = vars(self._train_parser.parse_args(words))
+        mesh_text = options.pop("mesh")
+        mesh = None
+        if mesh_text:
+            spec = MeshSpec.parse(mesh_text, lab.world_size)
+            mesh = dict(zip(spec.names, spec.shape))
+        options["reshard_after_forward"] = not options.pop("no_reshard")
+        return lab.train(mesh=mesh, **options)
 
     def mesh(self, words) -> MeshSpec:
         lab = self._require_lab()

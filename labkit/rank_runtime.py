@@ -57,6 +57,7 @@ class RankRuntime:
         self.store = None
         self.mesh = None
         self.mesh_spec: tuple[tuple[int, ...], tuple[str, ...]] | None = None
+        self.meshes: dict = {}  # (shape, names) -> DeviceMesh of this process group
         self.cells_run = 0
         threads = int(environ.get("LABKIT_THREADS", "1"))
         torch.set_num_threads(threads)
@@ -143,8 +144,9 @@ class RankRuntime:
         return self.generation
 
     def leave_group(self) -> None:
-        """Destroy the process group (and the mesh built on it), closing its sockets."""
+        """Destroy the process group (and the meshes built on it), closing its sockets."""
         self.mesh = None
+        self.meshes.clear()
         self.namespace["mesh"] = None
         if dist.is_initialized():
             try:
@@ -167,13 +169,21 @@ class RankRuntime:
 
     # -- mesh -----------------------------------------------------------------
 
-    def build_mesh(self, shape: list[int], names: list[str]):
-        from torch.distributed.device_mesh import init_device_mesh
+    def mesh_for(self, shape, names):
+        """A device mesh of this shape, built once per process group (it creates groups)."""
+        key = (tuple(shape), tuple(names))
+        if key not in self.meshes:
+            from torch.distributed.device_mesh import init_device_mesh
 
-        self.mesh = init_device_mesh(self.device.type, tuple(shape), mesh_dim_names=tuple(names))
+            self.meshes[key] = init_device_mesh(self.device.type, key[0], mesh_dim_names=key[1])
+        return self.meshes[key]
+
+    def build_mesh(self, shape: list[int], names: list[str]):
+        """The notebook's mesh: built on every rank, available to cells as ``mesh``."""
+        self.mesh = self.mesh_for(shape, names)
         self.mesh_spec = (tuple(shape), tuple(names))
         self.namespace["mesh"] = self.mesh
-        return self.mesh.get_coordinate()
+        return tuple(self.mesh.get_coordinate())
 
     # -- running user work ------------------------------------------------------
 

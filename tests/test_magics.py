@@ -80,3 +80,15 @@ def test_timeout_and_status_commands(started, capsys):
     assert status.healthy and "cell timeout 45 s" in str(status)
     with pytest.raises(UsageError, match="--ranks"):
         started.run_cell_magic("lab", "--ranks one", "rank")
+
+
+def test_train_magic_runs_a_strategy_and_verifies(started, capsys):
+    report = started.run_line_magic(
+        "lab", "train --strategy fsdp --model gpt --steps 2 --batch 8 --verify --model-settings dim=16,heads=2,seq=8"
+    )
+    assert report.equivalent and report.config.strategy == "fsdp"
+    assert "step    2/2" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="needs a mesh over dp, tp"):
+        started.run_line_magic("lab", "train --strategy fsdp+tp --model gpt")
+    with pytest.raises(UsageError, match="name=value"):
+        started.run_line_magic("lab", "train --model-settings dim")

@@ -1,0 +1,66 @@
+"""Deterministic offline data: every rank can make any step's global batch by itself.
+
+Nothing is downloaded. A batch is a pure function of (seed, step), so every rank
+builds the same global batch and takes its own slice, and the single-process
+reference trains on exactly the same samples. Both tasks have structure to learn:
+
+- ``TeacherRegression`` (for the MLP): targets from a fixed random two-layer
+  network, so the loss can go well below that of predicting zeros;
+- ``MarkovText`` (for the GPT): token sequences from a fixed sparse Markov chain,
+  each token followed by one of a few likely successors, so next-token loss can
+  fall far below log(vocab).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _generator(seed: int, salt: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed * 1_000_003 + salt)
+
+
+class TeacherRegression:
+    def __init__(self, in_dim: int, out_dim: int, seed: int = 0, hidden: int = 64) -> None:
+        g = _generator(seed, -1)
+        self.in_dim = in_dim
+        self.seed = seed
+        self.w1 = torch.randn(in_dim, hidden, generator=g) / in_dim**0.5
+        self.w2 = torch.randn(hidden, out_dim, generator=g) / hidden**0.5
+
+    def batch(self, step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x = torch.randn(size, self.in_dim, generator=_generator(self.seed, step))
+        return x, torch.tanh(x @ self.w1) @ self.w2
+
+
+class MarkovText:
+    def __init__(self, vocab: int, seq: int, seed: int = 0, successors: int = 3) -> None:
+        g = _generator(seed, -1)
+        self.vocab, self.seq, self.seed = vocab, seq, seed
+        weights = torch.zeros(vocab, vocab)
+        for token in range(vocab):
+            likely = torch.randperm(vocab, generator=g)[:successors]
+            weights[token, likely] = torch.rand(successors, generator=g) + 0.5
+        self.transitions = (weights + 0.01) / (weights + 0.01).sum(dim=1, keepdim=True)
+
+    def batch(self, step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, targets), both (size, seq) token ids; targets are inputs shifted by one."""
+        g = _generator(self.seed, step)
+        tokens = torch.empty(size, self.seq + 1, dtype=torch.long)
+        tokens[:, 0] = torch.randint(self.vocab, (size,), generator=g)
+        for position in range(1, self.seq + 1):
+            tokens[:, position] = torch.multinomial(self.transitions[tokens[:, position - 1]], 1, generator=g).squeeze(1)
+        return tokens[:, :-1], tokens[:, 1:]
+
+
+def dataset_for(model_name: str, config, seed: int):
+    if model_name == "mlp":
+        return TeacherRegression(config.dims[0], config.dims[-1], seed)
+    return MarkovText(config.vocab, config.seq, seed)
+
+
+def loss_function(model_name: str):
+    """Mean loss over the samples given: MSE for the MLP, next-token cross-entropy for the GPT."""
+    if model_name == "mlp":
+        return lambda output, target: torch.nn.functional.mse_loss(output, target)
+    return lambda logits, target: torch.nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten())

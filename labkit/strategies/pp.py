@@ -1,0 +1,71 @@
+"""Pipeline parallelism with ``torch.distributed.pipelining``: layers split into stages.
+
+Each rank of the pp axis keeps a contiguous run of layers (``keep_stage``) and
+passes activations forward and gradients backward to its neighbours. A step's
+batch is cut into ``microbatches`` so that stages can work at the same time:
+
+- GPipe runs every microbatch forward, then every one backward: simple, but each
+  stage holds all microbatches' activations and idles while the pipe fills and
+  drains (the "bubble", (stages - 1) / (microbatches + stages - 1) of the step);
+- 1F1B alternates one forward and one backward once the pipe is full: the same
+  bubble, but at most ``stages`` microbatches of activations in flight.
+
+The schedule averages gradients over microbatches (``scale_grads``), so a step
+equals one step on the whole batch.
+
+gloo pitfall (pytorch#132644): the schedules send and receive with
+``batch_isend_irecv``, which used to hang on gloo because only one of gloo's
+several work handles was waited on. The torch versions labkit supports carry the
+fix; the pipeline tests run GPipe and 1F1B on gloo, and every cell is bounded by
+the lab's timeout in any case.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+
+
+def keep_stage(model: nn.Module, pp_mesh) -> int:
+    """Cut ``model`` down to this rank's stage; return the stage index."""
+    stage = pp_mesh.get_local_rank()
+    model.keep_stage(stage, pp_mesh.size())
+    return stage
+
+
+class PipelineRunner:
+    """Runs one training step of a pipeline stage: forward and backward of every microbatch."""
+
+    def __init__(self, module: nn.Module, pp_mesh, schedule: str, microbatches: int, loss_fn, device) -> None:
+        if schedule not in SCHEDULES:
+            raise ValueError(f"unknown pipeline schedule {schedule!r}: choose {', '.join(SCHEDULES)}")
+        self.stage_index = pp_mesh.get_local_rank()
+        self.stages = pp_mesh.size()
+        self.stage = PipelineStage(module, self.stage_index, self.stages, device, group=pp_mesh.get_group())
+        self.schedule = SCHEDULES[schedule](self.stage, n_microbatches=microbatches, loss_fn=loss_fn)
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage_index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage_index == self.stages - 1
+
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float | None:
+        """Forward and backward of the step's batch; the mean loss on the last stage."""
+        losses: list[torch.Tensor] = []
+        if self.is_first and self.is_last:
+            self.schedule.step(inputs, target=targets, losses=losses)
+        elif self.is_first:
+            self.schedule.step(inputs)
+        elif self.is_last:
+            self.schedule.step(target=targets, losses=losses)
+        else:
+            self.schedule.step()
+        if not losses:
+            return None
+        return float(torch.stack([loss.detach() for loss in losses]).mean())

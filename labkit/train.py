@@ -1,0 +1,148 @@
+"""The training loop every strategy shares, and its proof against one big machine.
+
+``train(config)`` runs on every rank (``Lab.train`` sends it): build the zoo
+model with the same seed everywhere, apply the strategy (``strategies``), then
+for each step take this rank's slice of the step's global batch, run forward and
+backward, and let the optimizer update what this rank holds. Nothing in the loop
+knows which strategy it runs; the ``ParallelModel`` does.
+
+With ``verify``, every rank then trains the same model on the same global
+batches in plain single-process PyTorch, and compares: each parameter gathered
+whole (``full_tensor`` for sharded ones) against the reference, as the largest
+difference relative to the parameter's largest value. The seeds' promise is that
+this is rounding noise (< 1e-5 in float32).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from .data import dataset_for, loss_function
+from .memory import estimated_bytes, local_bytes, memory_bytes
+from .models import build_model
+from .rank_runtime import this_rank
+from .strategies import parallelize, shard_for_memory_estimate
+from .train_config import OPTIMIZERS, TrainConfig
+
+
+def make_optimizer(parameters, config: TrainConfig) -> torch.optim.Optimizer:
+    if config.optimizer == "sgd":
+        return torch.optim.SGD(parameters, lr=config.lr)
+    # foreach=False: the same per-parameter arithmetic on plain and sharded tensors.
+    return torch.optim.AdamW(parameters, lr=config.lr, weight_decay=0.0, foreach=False)
+
+
+def _coordinate(mesh, config: TrainConfig) -> dict[str, int]:
+    return {name: mesh.get_local_rank(name) for name in config.mesh_names}
+
+
+def _data_slice(config: TrainConfig, coordinate: dict[str, int], tensors):
+    """This rank's part of the global batch: split over dp replicas only."""
+    replicas, replica = config.axis("dp"), coordinate.get("dp", 0)
+    size = config.global_batch // replicas
+    return [tensor[replica * size : (replica + 1) * size] for tensor in tensors]
+
+
+def train(config: TrainConfig) -> dict:
+    runtime = this_rank()
+    mesh = runtime.mesh_for(config.mesh_shape, config.mesh_names)
+    coordinate = _coordinate(mesh, config)
+    data = dataset_for(config.model, config.model_config, config.seed)
+    loss_fn = loss_function(config.model)
+    model = build_model(config.model, config.model_config, config.seed, runtime.device)
+    parallel = parallelize(model, mesh, config, loss_fn, runtime.device, runtime.backend)
+    optimizer = make_optimizer(parallel.module.parameters(), config)
+    reporter = parallel.owns_loss and all(
+        index == 0 for name, index in coordinate.items() if name != "pp"
+    )
+    losses, step_seconds = [], []
+    for step in range(config.steps):
+        inputs, targets = _data_slice(config, coordinate, data.batch(step, config.global_batch))
+        inputs, targets = inputs.to(runtime.device), targets.to(runtime.device)
+        began = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        loss = parallel.forward_backward(inputs, targets)
+        optimizer.step()
+        step_seconds.append(time.perf_counter() - began)
+        losses.append(loss)
+        if reporter and (step % config.log_every == 0 or step == config.steps - 1):
+            print(f"step {step + 1:>4}/{config.steps}  loss {loss:.4f}  {step_seconds[-1] * 1000:.1f} ms", flush=True)
+    result = {
+        "rank": runtime.rank,
+        "coordinate": coordinate,
+        "owns_loss": parallel.owns_loss,
+        "losses": losses if parallel.owns_loss else None,
+        "step_seconds": step_seconds,
+        "memory": memory_bytes(parallel.module, optimizer),
+    }
+    if config.verify:
+        result["verify"] = compare_with_reference(config, parallel, runtime.device)
+    return result
+
+
+@torch.enable_grad()
+def reference_parameters(config: TrainConfig, device) -> tuple[dict, dict]:
+    """(initial, final) parameters of single-process training on the same global batches."""
+    model = build_model(config.model, config.model_config, config.seed, device)
+    initial = {name: p.detach().clone() for name, p in model.named_parameters()}
+    optimizer = make_optimizer(model.parameters(), config)
+    data = dataset_for(config.model, config.model_config, config.seed)
+    loss_fn = loss_function(config.model)
+    for step in range(config.steps):
+        inputs, targets = (t.to(device) for t in data.batch(step, config.global_batch))
+        optimizer.zero_grad(set_to_none=True)
+        loss_fn(model(inputs), targets).backward()
+        optimizer.step()
+    return initial, {name: p.detach() for name, p in model.named_parameters()}
+
+
+@torch.no_grad()
+def compare_with_reference(config: TrainConfig, parallel, device) -> dict:
+    """Largest relative difference to single-process training, over all parameters and ranks."""
+    initial, reference = reference_parameters(config, device)
+    # Gathering a 2-D sharded parameter whole takes two all-gathers; torch warns
+    # about that on every parameter, which is noise for a one-off comparison.
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    worst_difference, worst_name, worst_elementwise, compared = 0.0, "", 0.0, 0
+    for name, parameter in parallel.named_parameters():
+        whole = parameter.full_tensor() if isinstance(parameter, DTensor) else parameter.detach()
+        expected = reference[name]
+        # The relative error of each whole tensor, ||a - b|| / ||b||. The largest
+        # single element's error is reported too: Adam divides every element's
+        # step by its own gradient size, so an element whose gradient nearly
+        # cancels carries its rounding straight into its update.
+        difference = float((whole - expected).norm() / expected.norm().clamp_min(1e-30))
+        elementwise = float((whole - expected).abs().max() / expected.abs().max().clamp_min(1e-30))
+        compared += 1
+        worst_elementwise = max(worst_elementwise, elementwise)
+        if difference > worst_difference:
+            worst_difference, worst_name = difference, name
+    # How far training moved the whole model: equality after no movement would prove nothing.
+    moved = sum(float((reference[n] - initial[n]).norm() ** 2) for n in reference) ** 0.5
+    size = sum(float(initial[n].norm() ** 2) for n in reference) ** 0.5
+    largest_update = moved / max(size, 1e-30)
+    # Every rank compared its own share; the verdict is the worst over all ranks.
+    worst = torch.tensor([worst_difference, largest_update, worst_elementwise], dtype=torch.float64)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    return {
+        "max_relative_difference": float(worst[0]),
+        "model_moved": float(worst[1]),
+        "max_elementwise_difference": float(worst[2]),
+        "worst_parameter_here": worst_name,
+        "parameters_compared_here": compared,
+    }
+
+
+def estimate_memory(config: TrainConfig) -> dict[str, int]:
+    """This rank's parameter, gradient and optimizer bytes under ``config``, from a meta-device model."""
+    runtime = this_rank()
+    mesh = runtime.mesh_for(config.mesh_shape, config.mesh_names)
+    model = build_model(config.model, config.model_config, config.seed, "meta")
+    shard_for_memory_estimate(model, mesh, config, runtime.backend)
+    param_bytes = sum(local_bytes(p) for p in {id(p): p for p in model.parameters()}.values())
+    return estimated_bytes(param_bytes, OPTIMIZERS[config.optimizer])

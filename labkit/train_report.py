@@ -1,0 +1,179 @@
+"""What a training run tells the notebook: loss, speed, memory per rank, equivalence.
+
+Built from every rank's result dict (see ``train.train``); pure, no torch. The
+loss of a step is the mean over data-parallel replicas of the loss each replica
+computed on its slice (only the last pipeline stage computes it; tensor-parallel
+ranks of a replica compute the same value). A step takes as long as its slowest
+rank.
+"""
+
+from __future__ import annotations
+
+import html
+import statistics
+from dataclasses import dataclass
+
+from .errors import LabError
+from .train_config import TrainConfig, format_bytes
+
+EQUIVALENCE_TOLERANCE = 1e-5
+
+
+class MemoryBudgetError(LabError):
+    """The model does not fit the per-rank memory budget under the chosen strategy."""
+
+
+def _total(memory: dict) -> int:
+    return memory["params"] + memory["grads"] + memory["optimizer"]
+
+
+def check_budget(config: TrainConfig, estimates: list[dict], alternatives: dict[str, int]) -> None:
+    """Raise ``MemoryBudgetError`` if any rank's estimate exceeds ``config.max_memory``."""
+    worst_rank = max(range(len(estimates)), key=lambda rank: _total(estimates[rank]))
+    worst = estimates[worst_rank]
+    if _total(worst) <= config.max_memory:
+        return
+    parts = (
+        f"params {format_bytes(worst['params'])} + grads {format_bytes(worst['grads'])} "
+        f"+ {config.optimizer} state {format_bytes(worst['optimizer'])}"
+    )
+    lines = [
+        f"{config.model} under {config.strategy} needs {format_bytes(_total(worst))} on rank {worst_rank} "
+        f"({parts}), over the budget of {format_bytes(config.max_memory)} per rank."
+    ]
+    if config.dp_kind == "ddp" and set(config.parts) == {"ddp"}:
+        lines.append(
+            "Data parallelism keeps a whole copy of the model, its gradients and optimizer state on "
+            "every rank: adding ranks never makes it fit."
+        )
+    fitting = {name: size for name, size in alternatives.items() if size <= config.max_memory}
+    if alternatives:
+        told = ", ".join(
+            f"{name} {format_bytes(size)}{' (fits)' if name in fitting else ''}" for name, size in alternatives.items()
+        )
+        lines.append(f"Per rank under sharding strategies on these {len(estimates)} ranks: {told}.")
+    if fitting:
+        lines.append(f"Use strategy={next(iter(fitting))!r} (or another that fits) to split the model itself.")
+    else:
+        lines.append("Split the model itself (fsdp, tp or pp), over more ranks, or use a smaller model.")
+    raise MemoryBudgetError("\n".join(lines))
+
+
+@dataclass
+class TrainReport:
+    config: TrainConfig
+    results: list[dict]  # one per rank, in rank order
+
+    # -- derived numbers ------------------------------------------------------
+
+    @property
+    def losses(self) -> list[float]:
+        """Per step: the mean over dp replicas of each replica's loss."""
+        owners = [
+            r for r in self.results if r["owns_loss"] and r["coordinate"].get("tp", 0) == 0 and r["losses"] is not None
+        ]
+        return [statistics.fmean(owner["losses"][step] for owner in owners) for step in range(self.config.steps)]
+
+    @property
+    def step_seconds(self) -> list[float]:
+        """Per step: the slowest rank's time."""
+        return [max(r["step_seconds"][step] for r in self.results) for step in range(self.config.steps)]
+
+    @property
+    def median_step_seconds(self) -> float:
+        times = self.step_seconds
+        return statistics.median(times[1:] if len(times) > 1 else times)  # step 1 warms up
+
+    @property
+    def samples_per_second(self) -> float:
+        return self.config.global_batch / self.median_step_seconds
+
+    @property
+    def tokens_per_second(self) -> float | None:
+        if self.config.model != "gpt":
+            return None
+        return self.samples_per_second * self.config.model_config.seq
+
+    @property
+    def memory(self) -> list[dict]:
+        return [r["memory"] for r in self.results]
+
+    @property
+    def max_memory_bytes(self) -> int:
+        return max(_total(memory) for memory in self.memory)
+
+    @property
+    def verify(self) -> dict | None:
+        return self.results[0].get("verify")
+
+    @property
+    def max_relative_difference(self) -> float | None:
+        return None if self.verify is None else self.verify["max_relative_difference"]
+
+    @property
+    def equivalent(self) -> bool | None:
+        difference = self.max_relative_difference
+        return None if difference is None else difference < EQUIVALENCE_TOLERANCE
+
+    # -- pictures ---------------------------------------------------------------
+
+    def _memory_rows(self) -> list[tuple[str, ...]]:
+        rows = []
+        for result in self.results:
+            memory = result["memory"]
+            where = " ".join(f"{name}={index}" for name, index in result["coordinate"].items())
+            rows.append(
+                (
+                    str(result["rank"]),
+                    where,
+                    format_bytes(memory["params"]),
+                    format_bytes(memory["grads"]),
+                    format_bytes(memory["optimizer"]),
+                    format_bytes(_total(memory)),
+                )
+            )
+        return rows
+
+    def summary_lines(self) -> list[str]:
+        config, losses = self.config, self.losses
+        rate = f"{self.samples_per_second:,.0f} samples/s"
+        if self.tokens_per_second is not None:
+            rate += f" ({self.tokens_per_second:,.0f} tokens/s)"
+        lines = [
+            f"{config.describe()}: {config.steps} steps, global batch {config.global_batch}",
+            f"loss {losses[0]:.4f} -> {losses[-1]:.4f}",
+            f"step time {self.median_step_seconds * 1000:.1f} ms (median, slowest rank), {rate}",
+        ]
+        if config.max_memory:
+            verdict = "within" if self.max_memory_bytes <= config.max_memory else "OVER"
+            lines.append(
+                f"memory budget {format_bytes(config.max_memory)} per rank: largest rank uses "
+                f"{format_bytes(self.max_memory_bytes)} ({verdict})"
+            )
+        if self.verify is not None:
+            verdict = "equal" if self.equivalent else "NOT equal"
+            lines.append(
+                f"against single-process training: largest relative difference of a parameter "
+                f"{self.max_relative_difference:.1e} ({verdict} within {EQUIVALENCE_TOLERANCE:g}; "
+                f"training moved the model {self.verify['model_moved']:.1%} from its start)"
+            )
+        return lines
+
+    def __str__(self) -> str:
+        header = ("rank", "mesh", "params", "grads", "optimizer", "total")
+        rows = self._memory_rows()
+        widths = [max(len(header[i]), *(len(row[i]) for row in rows)) for i in range(len(header))]
+        table = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in [header, *rows]]
+        return "\n".join([*self.summary_lines(), "memory per rank:", *table])
+
+    def _repr_pretty_(self, printer, cycle) -> None:
+        printer.text(str(self))
+
+    def _repr_html_(self) -> str:
+        head = "".join(f"<th>{cell}</th>" for cell in ("rank", "mesh", "params", "grads", "optimizer", "total"))
+        body = "".join(
+            "<tr>" + "".join(f"<td style='padding:2px 8px'>{html.escape(cell)}</td>" for cell in row) + "</tr>"
+            for row in self._memory_rows()
+        )
+        lines = "".join(f"<div>{html.escape(line)}</div>" for line in self.summary_lines())
+        return f"<div>{lines}<div>memory per rank:</div><table><tr>{head}</tr>{body}</table></div>"

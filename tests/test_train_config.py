@@ -1,0 +1,48 @@
+"""Training requests are checked before any rank works: pure, no processes."""
+
+import pytest
+
+from labkit.train_config import format_bytes, parse_bytes, parse_strategy, resolve
+
+
+def test_strategies_and_their_axes():
+    assert parse_strategy("fsdp+tp") == ("fsdp", "tp")
+    assert resolve(4, strategy="fsdp").mesh.describe() == "dp=4"
+    assert resolve(4, strategy="pp", micro_batches=4).mesh.describe() == "pp=4"
+    config = resolve(4, strategy="pp+tp", model="gpt", mesh=dict(pp=2, tp=2), micro_batches=2)
+    assert (config.axis("pp"), config.axis("tp"), config.axis("dp")) == (2, 2, 1)
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        (dict(strategy="zero3"), "unknown strategy"),
+        (dict(strategy="ddp+fsdp", mesh=dict(dp=4)), "choose one of them"),
+        (dict(strategy="tp+tp"), "names a part twice"),
+        (dict(strategy="fsdp+tp"), r"needs a mesh over dp, tp: give mesh=dict\(dp=2, tp=2\)"),
+        (dict(strategy="fsdp+tp", mesh=dict(dp=2, pp=2)), "uses mesh axes dp, tp"),
+        (dict(strategy="fsdp+tp", mesh=dict(dp=3, tp=2)), "must multiply to 4"),
+        (dict(strategy="ddp", global_batch=30), "split evenly into dp=4"),
+        (dict(strategy="ddp", steps=0), "steps must be a positive integer"),
+        (dict(strategy="pp", micro_batches=2), "micro_batches >= 4"),
+        (dict(strategy="pp", model="gpt", model_settings=dict(layers=2), micro_batches=4), "at least 4 layers"),
+        (dict(strategy="tp", model="gpt", model_settings=dict(heads=2, dim=32)), "divide the number of attention heads"),
+        (dict(strategy="tp", model="gpt", sequence_parallel=True, model_settings=dict(seq=30)), "sequence length"),
+        (dict(strategy="ddp", sequence_parallel=True), "add tp to the strategy"),
+        (dict(strategy="ddp", model="resnet"), "unknown model"),
+        (dict(strategy="ddp", model="gpt", model_settings=dict(width=3)), "no setting width"),
+        (dict(strategy="ddp", optimizer="lamb"), "unknown optimizer"),
+        (dict(strategy="ddp", max_memory="lots"), "written like 64MB"),
+    ],
+)
+def test_bad_requests_are_refused_with_a_reason(settings, message):
+    with pytest.raises(ValueError, match=message):
+        resolve(4, **settings)
+
+
+def test_memory_sizes():
+    assert parse_bytes("64MB") == 64_000_000
+    assert parse_bytes("64 MiB") == 64 * 2**20
+    assert parse_bytes("1.5GB") == 1_500_000_000
+    assert parse_bytes(4096) == 4096 and parse_bytes(None) is None
+    assert format_bytes(12_800_000) == "12.8 MB" and format_bytes(900) == "900 B"
