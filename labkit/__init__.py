@@ -18,6 +18,8 @@ _EXPORTS = {
     "MeshError": "labkit.mesh",
     "DeviceError": "labkit.devices",
     "LabError": "labkit.errors",
+    "LabConfigError": "labkit.errors",
+    "MemoryBudgetError": "labkit.train_report",
     "StartupError": "labkit.errors",
     "RankFailure": "labkit.errors",
     "RankTimeout": "labkit.errors",

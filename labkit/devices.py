@@ -13,10 +13,12 @@ import socket
 import subprocess
 from dataclasses import dataclass, field
 
+from .errors import LabConfigError
+
 BACKENDS = ("gloo", "nccl")
 
 
-class DeviceError(ValueError):
+class DeviceError(LabConfigError):
     """The requested backend or rank count does not fit the devices this machine has."""
 
 

@@ -21,7 +21,7 @@ import time
 
 from .rank_output import LiveOutput, RankTexts
 
-POLL_SECONDS = 0.02
+POLL_SECONDS = 0.1  # waits end early when a result lands; this paces output and liveness checks
 LIVENESS_CHECK_SECONDS = 0.5
 OUTPUT_GRACE_SECONDS = 2.0
 

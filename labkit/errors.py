@@ -12,8 +12,24 @@ import re
 from collections import defaultdict
 
 
-class LabError(RuntimeError):
+class ShortTraceback:
+    """Mixin: IPython shows just "Type: message", not the lab's own call stack.
+
+    These errors explain themselves; the frames inside labkit that raised them
+    would only hide the message in a notebook. Scripts still get the traceback.
+    """
+
+    def _render_traceback_(self) -> list[str]:
+        lines = str(self).splitlines() or [""]
+        return [f"{type(self).__name__}: {lines[0]}", *lines[1:]]
+
+
+class LabError(ShortTraceback, RuntimeError):
     """Base class of everything the lab raises on purpose."""
+
+
+class LabConfigError(ShortTraceback, ValueError):
+    """A request the lab refuses before anything runs (a ValueError)."""
 
 
 class StartupError(LabError):

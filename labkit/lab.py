@@ -22,7 +22,7 @@ from . import rank_runtime
 from .cluster import RankCluster
 from .devices import RankPlan, plan_ranks
 from .dispatch import RankWork, make_output
-from .errors import LabError, LabNotRunning, RankFailure, RankInterrupted, RankTimeout, format_ranks
+from .errors import LabConfigError, LabError, LabNotRunning, RankFailure, RankInterrupted, RankTimeout, format_ranks
 from .mesh import MeshError, MeshSpec
 from .status import LabStatus, RankStatus
 from .train_config import resolve as resolve_training
@@ -297,7 +297,12 @@ class Lab:
         """
         from . import train as rank_train
 
-        config = resolve_training(self.world_size, mesh=mesh, strategy=strategy, model=model, steps=steps, **settings)
+        try:
+            config = resolve_training(self.world_size, mesh=mesh, strategy=strategy, model=model, steps=steps, **settings)
+        except LabConfigError:
+            raise
+        except (ValueError, TypeError) as error:
+            raise LabConfigError(str(error)) from None
         self._require_running()
         if config.max_memory is not None:
             estimates = self.run(rank_train.estimate_memory, config, timeout=self.start_timeout)

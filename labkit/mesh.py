@@ -15,12 +15,14 @@ import math
 import re
 from dataclasses import dataclass
 
+from .errors import LabConfigError
+
 _AXIS_PATTERN = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*)\s*=\s*(-?\d+)\s*$")
 # Background colours for groups in the HTML picture (colour-blind safe palette).
 _PALETTE = ("#cfe2f3", "#fce5cd", "#d9ead3", "#ead1dc", "#fff2cc", "#d0e0e3", "#f4cccc", "#d9d2e9")
 
 
-class MeshError(ValueError):
+class MeshError(LabConfigError):
     """A mesh spec that cannot be built on this lab's ranks."""
 
 

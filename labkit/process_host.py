@@ -23,6 +23,7 @@ read end of a "life pipe" and terminates itself when the host is gone.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import select
@@ -142,6 +143,9 @@ class _Host:
         entry = request["entry"]
         if entry == "engine":
             self.load_rank_modules()
+        # Children share the host's objects copy-on-write; frozen, the garbage
+        # collector neither walks nor touches (and so copies) them.
+        gc.freeze()
         sys.stdout.flush()
         sys.stderr.flush()
         pid = os.fork()
@@ -164,16 +168,17 @@ class _Host:
         _run_child(entry, list(request.get("argv") or []), self.life_read_fd)
         raise AssertionError("unreachable")
 
-    def reap(self) -> None:
-        while self.children:
+    def reap(self) -> bool:
+        """Collect every child that ended (forked or adopted); False once none is left."""
+        while True:
             try:
                 pid, status = os.waitpid(-1, os.WNOHANG)
             except ChildProcessError:
-                return
+                return False
             if pid == 0:
-                return
-            self.children.pop(pid, None)
-            self.reply({"event": "exit", "pid": pid, "code": os.waitstatus_to_exitcode(status)})
+                return True
+            if self.children.pop(pid, None) is not None:
+                self.reply({"event": "exit", "pid": pid, "code": os.waitstatus_to_exitcode(status)})
 
     def handle(self, line: str) -> None:
         request = json.loads(line)
@@ -218,15 +223,19 @@ class _Host:
             self.handle(line)
 
     def terminate_children(self) -> None:
-        """SIGTERM every child (and what it started), then SIGKILL what is left."""
+        """SIGTERM every child (and what it started), then SIGKILL what is left; reap them all."""
         os.close(self.life_write_fd)
         for sig in (signal.SIGTERM, signal.SIGKILL):
             for pid in list(self.children):
                 _signal_group(pid, sig)
             deadline = time.monotonic() + TERMINATE_GRACE_SECONDS
-            while self.children and time.monotonic() < deadline:
-                self.reap()
-                time.sleep(0.05)
+            while self.reap() and time.monotonic() < deadline:
+                if not self.children:
+                    # Direct children are gone; give their orphans (adopted by us) a moment.
+                    deadline = min(deadline, time.monotonic() + 0.5)
+                time.sleep(0.02)
+            if not self.children:
+                break
 
 
 def _signal_group(pid: int, sig: int) -> None:
@@ -241,7 +250,21 @@ def _signal_group(pid: int, sig: int) -> None:
             return
 
 
+def _become_subreaper() -> None:
+    """Adopt orphaned descendants (the controller's scheduler processes, say) and reap them.
+
+    Without this, a grandchild whose parent exits first is handed to the machine's
+    init, which may leave it a zombie for a while after the lab has stopped.
+    """
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_CHILD_SUBREAPER = 36
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+
 def main() -> None:
+    _become_subreaper()
     host = _Host()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     signal.signal(signal.SIGINT, signal.SIG_IGN)

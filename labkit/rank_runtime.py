@@ -16,6 +16,7 @@ for it in a collective are released with "connection closed" instead of hanging.
 from __future__ import annotations
 
 import ast
+import gc
 import linecache
 import os
 import signal
@@ -275,6 +276,10 @@ def install() -> None:
         RankRuntime(namespace)
     except Exception:
         namespace["__labkit_install_error__"] = traceback.format_exc()
+    # Everything alive now (torch, IPython, ipyparallel) lives as long as the
+    # engine: keep it out of the garbage collector's full passes, which a
+    # training loop triggers often and which would otherwise walk it each time.
+    gc.freeze()
 
 
 def this_rank() -> RankRuntime:

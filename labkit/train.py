@@ -15,6 +15,7 @@ this is rounding noise (< 1e-5 in float32).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 
@@ -22,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from .comm_count import CollectiveCounter
 from .data import dataset_for, loss_function
 from .memory import estimated_bytes, local_bytes, memory_bytes
 from .models import build_model
@@ -48,8 +50,47 @@ def _data_slice(config: TrainConfig, coordinate: dict[str, int], tensors):
     return [tensor[replica * size : (replica + 1) * size] for tensor in tensors]
 
 
-def train(config: TrainConfig) -> dict:
-    runtime = this_rank()
+class ScriptContext:
+    """What ``train`` needs from a rank, for a process started by torchrun instead of a lab.
+
+    The benchmark runs the very same loop both ways to measure what the lab adds.
+    """
+
+    def __init__(self) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        self._init_device_mesh = init_device_mesh
+        self.rank = dist.get_rank()
+        self.backend = dist.get_backend()
+        self.device = torch.device("cpu")
+        self._meshes = {}
+
+    def mesh_for(self, shape, names):
+        key = (tuple(shape), tuple(names))
+        if key not in self._meshes:
+            self._meshes[key] = self._init_device_mesh(self.device.type, key[0], mesh_dim_names=key[1])
+        return self._meshes[key]
+
+
+def metered_step(steps: int) -> int:
+    """The step whose collectives are counted (and whose time is left out of the timing)."""
+    return 1 if steps >= 3 else steps - 1
+
+
+def _report_progress(config, mesh, parallel, reporter: bool, step: int, loss, seconds: float) -> None:
+    """Print the step's loss averaged over dp replicas (outside the timed part of the step)."""
+    if not parallel.owns_loss:
+        return
+    if "dp" in config.mesh_names and config.axis("dp") > 1:
+        total = torch.tensor([loss], dtype=torch.float64)
+        dist.all_reduce(total, group=mesh["dp"].get_group())
+        loss = float(total) / config.axis("dp")
+    if reporter:
+        print(f"step {step + 1:>4}/{config.steps}  loss {loss:.4f}  {seconds * 1000:.1f} ms", flush=True)
+
+
+def train(config: TrainConfig, context=None) -> dict:
+    runtime = context or this_rank()
     mesh = runtime.mesh_for(config.mesh_shape, config.mesh_names)
     coordinate = _coordinate(mesh, config)
     data = dataset_for(config.model, config.model_config, config.seed)
@@ -61,17 +102,20 @@ def train(config: TrainConfig) -> dict:
         index == 0 for name, index in coordinate.items() if name != "pp"
     )
     losses, step_seconds = [], []
+    counter = CollectiveCounter()
     for step in range(config.steps):
         inputs, targets = _data_slice(config, coordinate, data.batch(step, config.global_batch))
         inputs, targets = inputs.to(runtime.device), targets.to(runtime.device)
+        metering = counter if step == metered_step(config.steps) else contextlib.nullcontext()
         began = time.perf_counter()
-        optimizer.zero_grad(set_to_none=True)
-        loss = parallel.forward_backward(inputs, targets)
-        optimizer.step()
+        with metering:
+            optimizer.zero_grad(set_to_none=True)
+            loss = parallel.forward_backward(inputs, targets)
+            optimizer.step()
         step_seconds.append(time.perf_counter() - began)
         losses.append(loss)
-        if reporter and (step % config.log_every == 0 or step == config.steps - 1):
-            print(f"step {step + 1:>4}/{config.steps}  loss {loss:.4f}  {step_seconds[-1] * 1000:.1f} ms", flush=True)
+        if step % config.log_every == 0 or step == config.steps - 1:
+            _report_progress(config, mesh, parallel, reporter, step, loss, step_seconds[-1])
     result = {
         "rank": runtime.rank,
         "coordinate": coordinate,
@@ -79,6 +123,9 @@ def train(config: TrainConfig) -> dict:
         "losses": losses if parallel.owns_loss else None,
         "step_seconds": step_seconds,
         "memory": memory_bytes(parallel.module, optimizer),
+        "comm_bytes": dict(counter.bytes),
+        "comm_calls": dict(counter.calls),
+        "metered_step": metered_step(config.steps),
     }
     if config.verify:
         result["verify"] = compare_with_reference(config, parallel, runtime.device)

@@ -10,7 +10,7 @@ Everything here is pure: no processes, no torch.
 from __future__ import annotations
 
 import re
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 
 from .mesh import MeshSpec
 from .model_configs import model_config
@@ -107,6 +107,10 @@ class TrainConfig:
 
 def resolve(world_size: int, mesh: dict | None = None, **settings) -> TrainConfig:
     """Build a ``TrainConfig`` and check it against the lab's world size; raise ValueError."""
+    known = {f.name for f in fields(TrainConfig)} - {"mesh_names", "mesh_shape"}
+    unknown = sorted(set(settings) - known)
+    if unknown:
+        raise ValueError(f"unknown training setting {', '.join(unknown)}; the settings are {', '.join(sorted(known))}")
     config = TrainConfig(**settings)
     parts = config.parts
     needed = sorted({AXIS_OF[part] for part in parts}, key=AXIS_ORDER.index)

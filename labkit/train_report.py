@@ -81,8 +81,24 @@ class TrainReport:
 
     @property
     def median_step_seconds(self) -> float:
-        times = self.step_seconds
-        return statistics.median(times[1:] if len(times) > 1 else times)  # step 1 warms up
+        """Median over steps, leaving out the first (warm-up) and the metered one (slowed by counting)."""
+        metered = self.results[0]["metered_step"]
+        times = [t for step, t in enumerate(self.step_seconds) if step not in (0, metered)]
+        return statistics.median(times or self.step_seconds)
+
+    @property
+    def comm_bytes_per_step(self) -> dict[str, int]:
+        """Bytes through collectives in one step, by kind, summed over ranks."""
+        total: dict[str, int] = {}
+        for result in self.results:
+            for kind, size in result["comm_bytes"].items():
+                total[kind] = total.get(kind, 0) + size
+        return dict(sorted(total.items()))
+
+    @property
+    def comm_bytes_per_rank(self) -> float:
+        """Mean over ranks of the bytes each moved through collectives in one step."""
+        return sum(self.comm_bytes_per_step.values()) / len(self.results)
 
     @property
     def samples_per_second(self) -> float:
@@ -139,10 +155,12 @@ class TrainReport:
         rate = f"{self.samples_per_second:,.0f} samples/s"
         if self.tokens_per_second is not None:
             rate += f" ({self.tokens_per_second:,.0f} tokens/s)"
+        kinds = ", ".join(f"{kind} {format_bytes(size / len(self.results))}" for kind, size in self.comm_bytes_per_step.items())
         lines = [
             f"{config.describe()}: {config.steps} steps, global batch {config.global_batch}",
             f"loss {losses[0]:.4f} -> {losses[-1]:.4f}",
             f"step time {self.median_step_seconds * 1000:.1f} ms (median, slowest rank), {rate}",
+            f"communication per rank and step: {format_bytes(self.comm_bytes_per_rank)}" + (f" ({kinds})" if kinds else ""),
         ]
         if config.max_memory:
             verdict = "within" if self.max_memory_bytes <= config.max_memory else "OVER"

@@ -27,12 +27,7 @@ def apply_ddp(model: nn.Module, dp_mesh, bucket_cap_mb: float = 25.0) -> Distrib
     """Wrap ``model`` for data parallelism over the mesh's dp axis."""
     if any(isinstance(parameter, DTensor) for parameter in model.parameters()):
         raise ValueError("DistributedDataParallel cannot hold tensor-parallel (DTensor) parameters; use GradientAllReduce")
-    return DistributedDataParallel(
-        model,
-        process_group=dp_mesh.get_group(),
-        bucket_cap_mb=bucket_cap_mb,
-        broadcast_buffers=False,  # the zoo models have no buffers; nothing to resend each step
-    )
+    return DistributedDataParallel(model, process_group=dp_mesh.get_group(), bucket_cap_mb=bucket_cap_mb)
 
 
 def accumulation_context(model: nn.Module, last_micro_step: bool):
