@@ -19,7 +19,7 @@ _EXPORTS = {
     "DeviceError": "labkit.devices",
     "LabError": "labkit.errors",
     "LabConfigError": "labkit.errors",
-    "MemoryBudgetError": "labkit.train_report",
+    "MemoryBudgetError": "labkit.budget",
     "StartupError": "labkit.errors",
     "RankFailure": "labkit.errors",
     "RankTimeout": "labkit.errors",

@@ -26,10 +26,8 @@ from .errors import LabConfigError, LabError, LabNotRunning, RankFailure, RankIn
 from .mesh import MeshError, MeshSpec
 from .status import LabStatus, RankStatus
 from .train_config import resolve as resolve_training
-from .train_report import TrainReport, check_budget
-
-# Single-axis strategies a memory-budget refusal may suggest, with the settings they ignore.
-_SHARDING_ALTERNATIVES = ("fsdp", "tp", "pp")
+from .budget import enforce_budget
+from .train_report import TrainReport
 
 DEFAULT_TIMEOUT = 300.0
 DEFAULT_START_TIMEOUT = 60.0
@@ -305,33 +303,11 @@ class Lab:
             raise LabConfigError(str(error)) from None
         self._require_running()
         if config.max_memory is not None:
-            estimates = self.run(rank_train.estimate_memory, config, timeout=self.start_timeout)
-            check_budget(config, estimates, self._sharded_estimates(config))
+            enforce_budget(self, config)
         reports = self._execute(
             list(range(self.world_size)), rank_runtime.call, (rank_train.train, (config,), {}), timeout
         )
         return TrainReport(config, [reports[rank]["value"] for rank in range(self.world_size)])
-
-    def _sharded_estimates(self, config) -> dict[str, int]:
-        """Largest per-rank bytes of the same model under each single sharding strategy."""
-        from . import train as rank_train
-
-        found = {}
-        for name in _SHARDING_ALTERNATIVES:
-            if name == config.strategy:
-                continue
-            settings = config.as_dict()
-            for key in ("strategy", "mesh_names", "mesh_shape", "max_memory", "sequence_parallel"):
-                settings.pop(key)
-            if name == "pp":
-                settings["micro_batches"] = max(settings["micro_batches"], self.world_size)
-            try:
-                alternative = resolve_training(self.world_size, strategy=name, **settings)
-            except ValueError:
-                continue  # this model cannot be split that way on these ranks
-            estimates = self.run(rank_train.estimate_memory, alternative, timeout=self.start_timeout)
-            found[name] = max(sum(memory.values()) for memory in estimates)
-        return found
 
     # -- mesh -------------------------------------------------------------
 

@@ -13,50 +13,10 @@ import html
 import statistics
 from dataclasses import dataclass
 
-from .errors import LabError
+from .budget import total_bytes as _total
 from .train_config import TrainConfig, format_bytes
 
 EQUIVALENCE_TOLERANCE = 1e-5
-
-
-class MemoryBudgetError(LabError):
-    """The model does not fit the per-rank memory budget under the chosen strategy."""
-
-
-def _total(memory: dict) -> int:
-    return memory["params"] + memory["grads"] + memory["optimizer"]
-
-
-def check_budget(config: TrainConfig, estimates: list[dict], alternatives: dict[str, int]) -> None:
-    """Raise ``MemoryBudgetError`` if any rank's estimate exceeds ``config.max_memory``."""
-    worst_rank = max(range(len(estimates)), key=lambda rank: _total(estimates[rank]))
-    worst = estimates[worst_rank]
-    if _total(worst) <= config.max_memory:
-        return
-    parts = (
-        f"params {format_bytes(worst['params'])} + grads {format_bytes(worst['grads'])} "
-        f"+ {config.optimizer} state {format_bytes(worst['optimizer'])}"
-    )
-    lines = [
-        f"{config.model} under {config.strategy} needs {format_bytes(_total(worst))} on rank {worst_rank} "
-        f"({parts}), over the budget of {format_bytes(config.max_memory)} per rank."
-    ]
-    if config.dp_kind == "ddp" and set(config.parts) == {"ddp"}:
-        lines.append(
-            "Data parallelism keeps a whole copy of the model, its gradients and optimizer state on "
-            "every rank: adding ranks never makes it fit."
-        )
-    fitting = {name: size for name, size in alternatives.items() if size <= config.max_memory}
-    if alternatives:
-        told = ", ".join(
-            f"{name} {format_bytes(size)}{' (fits)' if name in fitting else ''}" for name, size in alternatives.items()
-        )
-        lines.append(f"Per rank under sharding strategies on these {len(estimates)} ranks: {told}.")
-    if fitting:
-        lines.append(f"Use strategy={next(iter(fitting))!r} (or another that fits) to split the model itself.")
-    else:
-        lines.append("Split the model itself (fsdp, tp or pp), over more ranks, or use a smaller model.")
-    raise MemoryBudgetError("\n".join(lines))
 
 
 @dataclass

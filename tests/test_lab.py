@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from labkit import Lab, LabNotRunning, MeshError, RankFailure, RankInterrupted, RankTimeout
+from labkit import LabNotRunning, MeshError, RankFailure, RankInterrupted, RankTimeout
 
 pytestmark = pytest.mark.lab
 
@@ -162,6 +162,15 @@ def test_status_has_a_row_per_rank(lab):
     assert [row.rank for row in status.ranks] == [0, 1, 2, 3]
     assert {row.pid for row in status.ranks} == set(lab.cluster.pid_of.values())
     assert "4/4 ranks ready" in str(status)
+
+
+def test_work_needs_a_running_lab():
+    from labkit import Lab
+
+    idle = Lab(ranks=2)
+    with pytest.raises(LabNotRunning, match="call lab.start"):
+        idle.run(whoami, 0)
+    assert "stopped" in repr(idle) and not idle.status().running
 
 
 def test_timeout_must_be_positive(lab):

@@ -9,7 +9,8 @@ import math
 
 import pytest
 
-from labkit.train_report import EQUIVALENCE_TOLERANCE, MemoryBudgetError
+from labkit.budget import MemoryBudgetError
+from labkit.train_report import EQUIVALENCE_TOLERANCE
 
 pytestmark = pytest.mark.lab
 
