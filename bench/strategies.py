@@ -5,7 +5,7 @@ what running through labkit costs against torchrun.
 
 Part 1, on the tiny GPT (dim 64, 4 layers, 4 heads, sequence 32, global batch 32):
 step time (median over steps, slowest rank), throughput, bytes through collectives
-per rank and step (counted on one metered step), and parameter + gradient +
+per rank and step (from the mesh's timed process groups), and parameter + gradient +
 optimizer bytes on the fullest rank.
 
 Part 2, the overhead: DDP on the MLP 256-1024-256, global batch 64, 4 ranks with
@@ -52,7 +52,7 @@ TORCHRUN_SCRIPT = """
 import json, sys, torch, torch.distributed as dist
 torch.set_num_threads(1)
 dist.init_process_group("gloo")
-from labkit.train import ScriptContext, metered_step, train
+from labkit.train import ScriptContext, train
 from labkit.train_config import resolve
 settings = json.loads(sys.argv[1])
 config = resolve(dist.get_world_size(), **settings)
@@ -61,7 +61,7 @@ times = [None] * dist.get_world_size()
 dist.all_gather_object(times, result["step_seconds"])
 if dist.get_rank() == 0:
     slowest = [max(rank_times[step] for rank_times in times) for step in range(config.steps)]
-    kept = [t for step, t in enumerate(slowest) if step not in (0, metered_step(config.steps))]
+    kept = slowest[1:]
     print(json.dumps({"median_step_seconds": sorted(kept)[len(kept) // 2] if len(kept) % 2 else
                       (sorted(kept)[len(kept) // 2 - 1] + sorted(kept)[len(kept) // 2]) / 2}))
 dist.destroy_process_group()

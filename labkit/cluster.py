@@ -22,7 +22,7 @@ from IPython.core.profiledir import ProfileDir
 
 from . import rank_runtime
 from .devices import RankPlan
-from .errors import StartupError, format_ranks
+from .errors import LabError, StartupError, format_ranks
 from .launchers import HostedControllerLauncher, HostedEngineLauncher
 from .process_host import HostError, ProcessHost
 
@@ -63,6 +63,12 @@ class RankCluster:
     def profile_dir(self) -> str:
         assert self.workdir is not None
         return os.path.join(self.workdir, "profile")
+
+    @property
+    def control_path(self) -> str:
+        """The file through which the notebook asks ranks to stop or slow down (see instruments)."""
+        assert self.workdir is not None
+        return os.path.join(self.workdir, "control.json")
 
     def log_path(self, rank: int | None = None) -> str:
         name = "host.log" if rank is None else f"rank{rank}.log"
@@ -153,7 +159,7 @@ class RankCluster:
             engine_set_id=f"rank{rank}",
             host=self.host,
             spawn_timeout=self._left(deadline),
-            environment=dict(self.plan.env_per_rank[rank]),
+            environment={**self.plan.env_per_rank[rank], "LABKIT_CONTROL": self.control_path},
             engine_args=self._engine_args(),
             output_file=self.log_path(rank),
         )
@@ -221,6 +227,27 @@ class RankCluster:
         """A view on one rank: its results come back as single values."""
         assert self.client is not None
         return self.client[self.engine_of[rank]]
+
+    def call(self, ranks, function, args, timeout: float) -> list:
+        """``function(*args)`` on ``ranks``; results in order, or a LabError naming the rank that failed."""
+        ranks = list(ranks)
+        pending = [self.engine(rank).apply_async(function, *args) for rank in ranks]
+        deadline = time.monotonic() + timeout
+        while not all(result.ready() for result in pending) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        results, stuck = [], []
+        for rank, result in zip(ranks, pending):
+            if not result.ready():
+                stuck.append(rank)
+                continue
+            try:
+                results.append(result.get(0))
+            except Exception as error:
+                what = f"{getattr(error, 'ename', type(error).__name__)}: {getattr(error, 'evalue', error)}"
+                raise LabError(f"rank {rank} failed in {function.__name__}: {what}") from None
+        if stuck:
+            raise LabError(f"{format_ranks(stuck)} did not finish {function.__name__} within {timeout:g} s")
+        return results
 
     def is_alive(self, rank: int) -> bool:
         pid = self.pid_of.get(rank)

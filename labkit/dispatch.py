@@ -48,8 +48,24 @@ def _report_from_remote_error(rank: int, error: BaseException) -> dict:
 class RankWork:
     """One entry point running on some ranks; ``wait()`` returns ``{rank: report}``."""
 
-    def __init__(self, cluster, ranks, entry, args, timeout: float, interrupt_grace: float, output: LiveOutput):
+    def __init__(
+        self,
+        cluster,
+        ranks,
+        entry,
+        args,
+        timeout: float,
+        interrupt_grace: float,
+        output: LiveOutput,
+        on_tick=None,
+        on_interrupt=None,
+    ):
+        """``on_tick(work)`` runs at every poll (live metrics read ``work.results``);
+        ``on_interrupt()`` may ask the ranks to wind down and return how many
+        seconds to give them before they are interrupted."""
         self.cluster = cluster
+        self.on_tick = on_tick
+        self.on_interrupt = on_interrupt
         self.ranks = list(ranks)
         self.timeout = timeout
         self.interrupt_grace = interrupt_grace
@@ -59,6 +75,7 @@ class RankWork:
         self.timed_out = False
         self.interrupted = False
         self.pending = {rank: cluster.engine(rank).apply_async(entry, *args) for rank in self.ranks}
+        self.results = dict(self.pending)  # every rank's AsyncResult, finished or not
         self.started = time.monotonic()
 
     # -- watching -------------------------------------------------------------
@@ -82,6 +99,8 @@ class RankWork:
             if report.get("ok") and report.get("display") is not None:
                 self.output.texts.set_result(rank, report["display"])
         self.output.tick()
+        if self.on_tick is not None:
+            self.on_tick(self)
 
     def _check_alive(self) -> None:
         for rank in list(self.pending):
@@ -139,8 +158,15 @@ class RankWork:
                     self.timed_out = True
                     self._escalate()
         except KeyboardInterrupt:
-            self.interrupted = True
-            self._escalate_after_interrupt()
+            grace = self.on_interrupt() if self.on_interrupt is not None else 0.0
+            if grace:
+                try:
+                    self._wait_until(time.monotonic() + grace)  # let them stop on their own first
+                except KeyboardInterrupt:
+                    pass
+            if self.pending:
+                self.interrupted = True
+                self._escalate_after_interrupt()
         finally:
             self.output.finish()
         return dict(sorted(self.reports.items()))
@@ -163,5 +189,5 @@ class RankWork:
         return bool(self.replaced) or any(not report.get("ok") for report in self.reports.values())
 
 
-def make_output(ranks, live: bool | None = None, show_values: bool = True) -> LiveOutput:
-    return LiveOutput(RankTexts(ranks), live=live, show_values=show_values)
+def make_output(ranks, live: bool | None = None, show_values: bool = True, silent: bool = False) -> LiveOutput:
+    return LiveOutput(RankTexts(ranks), live=live, show_values=show_values, silent=silent)

@@ -36,6 +36,10 @@ class StartupError(LabError):
     """Ranks did not come up; nothing the lab started is left running."""
 
 
+class LabBusy(LabError):
+    """The ranks are busy with a training run in the background."""
+
+
 class LabNotRunning(LabError):
     """The lab was asked to work before ``start()`` or after ``stop()``."""
 

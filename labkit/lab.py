@@ -22,12 +22,21 @@ from . import rank_runtime
 from .cluster import RankCluster
 from .devices import RankPlan, plan_ranks
 from .dispatch import RankWork, make_output
-from .errors import LabConfigError, LabError, LabNotRunning, RankFailure, RankInterrupted, RankTimeout, format_ranks
+from .errors import (
+    LabBusy,
+    LabConfigError,
+    LabError,
+    LabNotRunning,
+    RankFailure,
+    RankInterrupted,
+    RankTimeout,
+    format_ranks,
+)
+from .instruments import write_control
 from .mesh import MeshError, MeshSpec
-from .status import LabStatus, RankStatus
-from .train_config import resolve as resolve_training
-from .budget import enforce_budget
-from .train_report import TrainReport
+from .status import LabStatus, collect_status
+from .metrics import DEFAULT_THRESHOLD
+from .training_run import launch_training
 
 DEFAULT_TIMEOUT = 300.0
 DEFAULT_START_TIMEOUT = 60.0
@@ -75,6 +84,8 @@ class Lab:
         self.mesh_spec: MeshSpec | None = None
         self.started_seconds: float | None = None
         self._atexit = None
+        self._active_run = None  # a TrainingRun in flight: the ranks are busy with it
+        self._control = {"stop": False, "slow": {}}
 
     # -- identity -----------------------------------------------------------
 
@@ -120,6 +131,10 @@ class Lab:
 
     def stop(self) -> None:
         """Stop every process of the lab; nothing is left running. Safe to call twice."""
+        run = self._active_run
+        if run is not None and not run.done:
+            run.stop()  # let a background run end at a step boundary before the ranks go
+            run._done.wait(10)
         cluster, self.cluster = self.cluster, None
         if cluster is not None:
             cluster.stop()
@@ -144,6 +159,47 @@ class Lab:
             raise LabNotRunning("the lab is not running: call lab.start() (or %lab start) first")
         return self.cluster
 
+    def _require_idle(self) -> RankCluster:
+        cluster = self._require_running()
+        if self._active_run is not None and not self._active_run.done:
+            raise LabBusy(
+                f"a training run is in progress ({self._active_run.status()}): "
+                "wait for it (run.wait()) or stop it (run.stop(), or its Stop button) first"
+            )
+        return cluster
+
+    def _release(self, run) -> None:
+        if self._active_run is run:
+            self._active_run = None
+
+    # -- control of running work ----------------------------------------------
+
+    def _write_control(self, stop: bool | None = None) -> None:
+        if stop is not None:
+            self._control["stop"] = stop
+        if self.cluster is not None and self.cluster.workdir is not None:
+            write_control(self.cluster.control_path, self._control)
+
+    def slow(self, rank: int, seconds: float | None) -> str:
+        """Make ``rank`` busy-wait ``seconds`` more each training step (None or 0: back to normal).
+
+        For teaching: a straggler on demand. Takes effect at the rank's next
+        step, also during a run; training rows record it, so the dashboard marks it.
+        """
+        self._require_running()
+        if not isinstance(rank, int) or not 0 <= rank < self.world_size:
+            raise LabConfigError(f"rank must be between 0 and {self.world_size - 1}, got {rank!r}")
+        if seconds is not None and (isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or seconds < 0):
+            raise LabConfigError(f"the delay must be a number of seconds >= 0, got {seconds!r}")
+        if seconds:
+            self._control["slow"][str(rank)] = float(seconds)
+            message = f"rank {rank} now takes {seconds * 1000:g} ms longer per training step"
+        else:
+            self._control["slow"].pop(str(rank), None)
+            message = f"rank {rank} runs at its own speed again"
+        self._write_control()
+        return message
+
     # -- process group --------------------------------------------------------
 
     def _form_group(self) -> None:
@@ -162,25 +218,7 @@ class Lab:
 
     def _call_entry(self, ranks, entry, args, timeout):
         """Run a runtime entry point that is not user work, on ``ranks``, within ``timeout``."""
-        cluster = self._require_running()
-        ranks = list(ranks)
-        pending = [cluster.engine(rank).apply_async(entry, *args) for rank in ranks]
-        deadline = time.monotonic() + timeout
-        while not all(result.ready() for result in pending) and time.monotonic() < deadline:
-            time.sleep(0.005)
-        results, stuck = [], []
-        for rank, result in zip(ranks, pending):
-            if not result.ready():
-                stuck.append(rank)
-                continue
-            try:
-                results.append(result.get(0))
-            except Exception as error:
-                what = f"{getattr(error, 'ename', type(error).__name__)}: {getattr(error, 'evalue', error)}"
-                raise LabError(f"rank {rank} failed in {entry.__name__}: {what}") from None
-        if stuck:
-            raise LabError(f"{format_ranks(stuck)} did not finish {entry.__name__} within {timeout:g} s")
-        return results
+        return self._require_idle().call(ranks, entry, args, timeout)
 
     def _recover(self, work: RankWork) -> str:
         """After failed work: rebuild the process group so the next call works."""
@@ -217,7 +255,7 @@ class Lab:
         return self.timeout if timeout is None else _positive_seconds("timeout", timeout)
 
     def _execute(self, ranks, entry, args, timeout, live=None, show_values=False) -> dict[int, dict]:
-        cluster = self._require_running()
+        cluster = self._require_idle()
         limit = self._limit(timeout)
         work = RankWork(
             cluster,
@@ -278,36 +316,34 @@ class Lab:
         steps: int = 20,
         mesh: dict | None = None,
         timeout: float | None = None,
+        dashboard: bool = False,
+        background: bool = False,
+        straggler_threshold: float = DEFAULT_THRESHOLD,
         **settings,
-    ) -> TrainReport:
-        """Train a zoo model on every rank under ``strategy``; return a ``TrainReport``.
+    ):
+        """Train a zoo model on every rank under ``strategy``.
 
         strategy: ddp, fsdp, tp, pp, or a composition such as fsdp+tp, ddp+pp, pp+tp.
         model: 'mlp' or 'gpt' (``model_settings=dict(dim=128, layers=8)`` resizes it).
         mesh: axis sizes for a composition, e.g. ``dict(dp=2, tp=2)``.
+        dashboard: draw throughput, compute/communication, collectives, loss and
+        stragglers live. background: return a ``TrainingRun`` at once (the
+        notebook stays free; ``run.wait()`` gives the report, ``run.stop()`` or the
+        Stop button ends it at a step boundary); otherwise block and return the
+        ``TrainReport`` (interrupting the kernel stops at a step boundary too).
+        straggler_threshold: busy time against the median of like ranks that flags one.
         settings: global_batch, micro_batches (gradient accumulation; pipeline
         microbatches under pp), lr, optimizer ('adamw' or 'sgd'), seed,
         bucket_cap_mb (ddp), reshard_after_forward (fsdp), sequence_parallel (tp),
         schedule ('gpipe' or '1f1b'), max_memory (e.g. '64MB': refuse a run whose
         parameters, gradients and optimizer state exceed it on any rank), verify
-        (compare with single-process training), log_every.
+        (compare with single-process training), log_every, instruments (False:
+        measure nothing, for comparison).
         Everything is checked before any rank does work.
         """
-        from . import train as rank_train
-
-        try:
-            config = resolve_training(self.world_size, mesh=mesh, strategy=strategy, model=model, steps=steps, **settings)
-        except LabConfigError:
-            raise
-        except (ValueError, TypeError) as error:
-            raise LabConfigError(str(error)) from None
-        self._require_running()
-        if config.max_memory is not None:
-            enforce_budget(self, config)
-        reports = self._execute(
-            list(range(self.world_size)), rank_runtime.call, (rank_train.train, (config,), {}), timeout
-        )
-        return TrainReport(config, [reports[rank]["value"] for rank in range(self.world_size)])
+        run = launch_training(self, dict(strategy=strategy, model=model, steps=steps, **settings), mesh,
+                              self._limit(timeout), dashboard, background, straggler_threshold)
+        return run if background else run.wait()
 
     # -- mesh -------------------------------------------------------------
 
@@ -345,38 +381,18 @@ class Lab:
 
     def status(self, timeout: float = 10.0) -> LabStatus:
         """Every rank: process, liveness, device, process group generation, coordinate."""
-        if self.cluster is None:
-            return LabStatus(self.plan.describe(), running=False)
-        cluster = self.cluster
-        rows = []
-        pending = {rank: cluster.engine(rank).apply_async(rank_runtime.identity) for rank in range(self.world_size)}
-        deadline = time.monotonic() + timeout
-        for rank, result in pending.items():
-            alive = cluster.is_alive(rank)
-            info = None
-            if alive:
-                try:
-                    info = result.get(max(0.0, deadline - time.monotonic()))
-                except Exception:
-                    info = None
-            state = "dead" if not alive else "ready" if info and info["group_ready"] else "busy" if info is None else "no group"
-            rows.append(
-                RankStatus(
-                    rank=rank,
-                    engine=cluster.engine_of.get(rank),
-                    pid=cluster.pid_of.get(rank),
-                    state=state,
-                    device=info["device"] if info else "?",
-                    threads=info["threads"] if info else None,
-                    generation=info["generation"] if info else None,
-                    coordinate=self.mesh_spec.coordinate(rank) if self.mesh_spec else None,
-                )
-            )
-        return LabStatus(
-            self.plan.describe(),
-            running=True,
-            generation=self.generation,
-            mesh=self.mesh_spec.describe() if self.mesh_spec else None,
-            timeout=self.timeout,
-            ranks=tuple(rows),
-        )
+        busy = self._active_run is not None and not self._active_run.done
+        return collect_status(self, timeout, training=self._active_run.status() if busy else None)
+
+    # -- collective benchmark ---------------------------------------------
+
+    def bench_collective(self, operation: str = "all_reduce", sizes=None, iterations: int | None = None,
+                         warmup: int = 3, timeout: float | None = None):
+        """Time one collective over message sizes on every rank, as nccl-tests does.
+
+        Returns a ``CollectiveBench``: the slowest rank's time per size, algorithm
+        and bus bandwidth, and the machine's memory-copy bandwidth as the ceiling.
+        """
+        from .collective_bench import run_benchmark
+
+        return run_benchmark(self, operation, sizes, iterations, warmup, self._limit(timeout))

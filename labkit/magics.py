@@ -3,8 +3,10 @@
     %load_ext labkit
     %lab start 4              start 4 ranks (gloo on CPU; nccl, one per GPU, with CUDA)
     %lab mesh dp=2 tp=2       build a named device mesh on every rank and draw it
-    %lab train --strategy fsdp --model gpt --steps 50 [--verify]
+    %lab train --strategy fsdp --model gpt --steps 50 [--verify] [--dashboard]
                               train a zoo model under a strategy (see Lab.train)
+    %lab slow 2 30ms          make rank 2 a straggler (off to undo)
+    %lab bench allreduce      time a collective over message sizes
     %%lab [--ranks 0,2] [--timeout 30]
     ...                       run the cell on every rank (or the given ones)
     %lab status               one row per rank
@@ -62,6 +64,42 @@ def _settings(text: str) -> dict:
     return settings
 
 
+def _size_range(text: str) -> list[int]:
+    """``1KB:16MB`` -> every power of two from 1 KiB to 16 MiB (sizes in binary units)."""
+    from .train_config import parse_bytes
+
+    low, _, high = text.partition(":")
+    try:
+        low_bytes, high_bytes = parse_bytes(low.replace("B", "iB").replace("iiB", "iB")), parse_bytes(
+            (high or low).replace("B", "iB").replace("iiB", "iB"))
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    sizes, size = [], 1
+    while size < low_bytes:
+        size *= 2
+    while size <= high_bytes:
+        sizes.append(size)
+        size *= 2
+    if not sizes:
+        raise argparse.ArgumentTypeError(f"no power of two between {low} and {high or low}")
+    return sizes
+
+
+def _duration(text: str) -> float | None:
+    """``30ms`` -> 0.03, ``0.5s`` or ``0.5`` -> 0.5, ``off`` -> None."""
+    text = text.strip().lower()
+    if text in ("off", "0", "none"):
+        return None
+    scale = 1e-3 if text.endswith("ms") else 1.0
+    try:
+        value = float(text.removesuffix("ms").removesuffix("s")) * scale
+    except ValueError:
+        raise UsageError(f"write the delay like 30ms or 0.03s (or off), got {text!r}") from None
+    if value < 0:
+        raise UsageError("a delay cannot be negative")
+    return value
+
+
 def _build_parsers():
     start = _Parser(prog="%lab start", add_help=False)
     start.add_argument("ranks", nargs="?", type=int, default=4)
@@ -88,10 +126,18 @@ def _build_parsers():
     train.add_argument("--log-every", type=int, default=10)
     train.add_argument("--model-settings", type=_settings, default={}, help="e.g. dim=128,layers=8")
     train.add_argument("--timeout", type=_seconds)
+    train.add_argument("--dashboard", action="store_true",
+                       help="draw it live and train in the background (Stop button; the cell returns the run)")
+    train.add_argument("--straggler-threshold", type=float, default=1.5)
+    bench = _Parser(prog="%lab bench", add_help=False)
+    bench.add_argument("operation", choices=("allreduce", "all_reduce", "allgather", "all_gather", "reduce_scatter",
+                                             "reducescatter", "broadcast"))
+    bench.add_argument("--sizes", type=_size_range, help="e.g. 1KB:16MB (powers of two between)")
+    bench.add_argument("--iters", type=int, help="repetitions per size (default: more for small sizes)")
     cell = _Parser(prog="%%lab", add_help=False)
     cell.add_argument("--ranks", type=_rank_list, help="run on these ranks only, e.g. 0,2")
     cell.add_argument("--timeout", type=_seconds, help="limit for this cell, seconds")
-    return start, train, cell
+    return start, train, bench, cell
 
 
 @magics_class
@@ -101,7 +147,7 @@ class LabMagics(Magics):
     def __init__(self, shell):
         super().__init__(shell)
         self.lab: Lab | None = None
-        self._start_parser, self._train_parser, self._cell_parser = _build_parsers()
+        self._start_parser, self._train_parser, self._bench_parser, self._cell_parser = _build_parsers()
 
     # -- dispatch -------------------------------------------------------------
 
@@ -112,6 +158,9 @@ class LabMagics(Magics):
         %lab start [N] [--backend gloo|nccl] [--timeout S] [--start-timeout S] [--threads K]
         %lab mesh name=size [name=size ...]     (one size may be -1)
         %lab train --strategy fsdp --model gpt --steps 50 [--mesh dp=2,tp=2] [--verify] [--max-memory 64MB]
+            [--dashboard]   (live dashboard, runs in the background; returns the run)
+        %lab slow RANK 30ms | %lab slow RANK off      (a straggler on demand)
+        %lab bench allreduce|all_gather|reduce_scatter|broadcast [--sizes 1KB:16MB] [--iters N]
         %lab status | %lab timeout S | %lab restart | %lab stop
         %%lab [--ranks 0,2] [--timeout S]       run the cell on the ranks
         """
@@ -129,6 +178,8 @@ class LabMagics(Magics):
             "restart": self.restart,
             "timeout": self.timeout,
             "train": self.train,
+            "slow": self.slow,
+            "bench": self.bench,
         }
         if command not in handlers:
             raise UsageError(f"unknown %lab command {command!r}; use one of: {', '.join(handlers)}")
@@ -186,7 +237,24 @@ class LabMagics(Magics):
             spec = MeshSpec.parse(mesh_text, lab.world_size)
             mesh = dict(zip(spec.names, spec.shape))
         options["reshard_after_forward"] = not options.pop("no_reshard")
-        return lab.train(mesh=mesh, **options)
+        live = options.pop("dashboard")
+        return lab.train(mesh=mesh, dashboard=live, background=live, **options)
+
+    def slow(self, words):
+        lab = self._require_lab()
+        if len(words) != 2:
+            raise UsageError("say which rank and how much slower, e.g. %lab slow 2 30ms (or %lab slow 2 off)")
+        try:
+            rank = int(words[0])
+        except ValueError:
+            raise UsageError(f"the rank is a number, got {words[0]!r}") from None
+        print(lab.slow(rank, _duration(words[1])))
+        return None
+
+    def bench(self, words):
+        lab = self._require_lab()
+        options = self._bench_parser.parse_args(words)
+        return lab.bench_collective(options.operation, sizes=options.sizes, iterations=options.iters)
 
     def mesh(self, words) -> MeshSpec:
         lab = self._require_lab()

@@ -68,9 +68,10 @@ def _in_kernel() -> bool:
 class LiveOutput:
     """Shows a ``RankTexts`` while work runs and prints it in rank order when done."""
 
-    def __init__(self, texts: RankTexts, live: bool | None = None, show_values: bool = True) -> None:
+    def __init__(self, texts: RankTexts, live: bool | None = None, show_values: bool = True, silent: bool = False) -> None:
         self.texts = texts
         self.show_values = show_values
+        self.silent = silent  # collect only (work running in the background prints nowhere)
         self.in_kernel = _in_kernel() if live is None else live
         self._handle = None
         self._last_draw = 0.0
@@ -78,7 +79,7 @@ class LiveOutput:
 
     def update(self, rank: int, stdout: str, stderr: str) -> None:
         new_out, new_err = self.texts.update(rank, stdout, stderr)
-        if not (new_out or new_err):
+        if self.silent or not (new_out or new_err):
             return
         if self.in_kernel:
             self._dirty = True
@@ -112,6 +113,8 @@ class LiveOutput:
 
     def finish(self) -> None:
         """Empty the live view and print everything once, in rank order."""
+        if self.silent:
+            return
         if not self.show_values:
             self.texts.forget_results()
         if self.in_kernel:

@@ -29,6 +29,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from .instruments import StepRecorder
+from .timed_group import instrument_mesh
+
 RUNTIME_NAME = "__labkit__"
 STORE_HOST_DEFAULT = "127.0.0.1"
 
@@ -59,6 +62,9 @@ class RankRuntime:
         self.mesh = None
         self.mesh_spec: tuple[tuple[int, ...], tuple[str, ...]] | None = None
         self.meshes: dict = {}  # (shape, names) -> DeviceMesh of this process group
+        self.recorder = StepRecorder(self.rank)
+        self.control_path = environ.get("LABKIT_CONTROL")
+        self.last_run = None  # what the latest training run left: model, optimizer, rows
         self.cells_run = 0
         threads = int(environ.get("LABKIT_THREADS", "1"))
         torch.set_num_threads(threads)
@@ -170,13 +176,20 @@ class RankRuntime:
 
     # -- mesh -----------------------------------------------------------------
 
-    def mesh_for(self, shape, names):
-        """A device mesh of this shape, built once per process group (it creates groups)."""
-        key = (tuple(shape), tuple(names))
+    def mesh_for(self, shape, names, instrumented: bool = True):
+        """A device mesh of this shape, built once per process group (it creates groups).
+
+        Instrumented meshes report every collective over their groups to the
+        rank's ``StepRecorder``; plain ones exist to measure what that costs.
+        """
+        key = (tuple(shape), tuple(names), instrumented)
         if key not in self.meshes:
             from torch.distributed.device_mesh import init_device_mesh
 
-            self.meshes[key] = init_device_mesh(self.device.type, key[0], mesh_dim_names=key[1])
+            mesh = init_device_mesh(self.device.type, key[0], mesh_dim_names=key[1])
+            if instrumented:
+                instrument_mesh(mesh, self.recorder.sink, self.recorder.sample)
+            self.meshes[key] = mesh
         return self.meshes[key]
 
     def build_mesh(self, shape: list[int], names: list[str]):

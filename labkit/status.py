@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import html
+import time
 from dataclasses import dataclass
+
+from . import rank_runtime
 
 
 @dataclass(frozen=True)
@@ -11,7 +14,7 @@ class RankStatus:
     rank: int
     engine: int | None
     pid: int | None
-    state: str  # ready | busy | dead | no group
+    state: str  # ready | busy | dead | no group | training
     device: str
     threads: int | None
     generation: int | None
@@ -26,6 +29,7 @@ class LabStatus:
     mesh: str | None = None
     timeout: float | None = None
     ranks: tuple[RankStatus, ...] = ()
+    training: str | None = None
 
     _COLUMNS = ("rank", "state", "pid", "engine", "device", "threads", "group", "coordinate")
 
@@ -50,6 +54,8 @@ class LabStatus:
         if not self.running:
             return f"lab stopped ({self.plan})"
         mesh = f"mesh {self.mesh}" if self.mesh else "no mesh"
+        if self.training:
+            return f"lab running: {self.plan}; training in the background ({self.training}); {mesh}"
         ready = sum(row.state == "ready" for row in self.ranks)
         return (
             f"lab running: {self.plan}; {ready}/{len(self.ranks)} ranks ready; "
@@ -74,7 +80,7 @@ class LabStatus:
         printer.text(str(self))
 
     def _repr_html_(self) -> str:
-        colour = {"ready": "#d9ead3", "busy": "#fff2cc", "dead": "#f4cccc", "no group": "#fce5cd"}
+        colour = {"ready": "#d9ead3", "busy": "#fff2cc", "dead": "#f4cccc", "no group": "#fce5cd", "training": "#cfe2f3"}
         head = "".join(f"<th>{column}</th>" for column in self._COLUMNS)
         body = "".join(
             "<tr>"
@@ -88,3 +94,52 @@ class LabStatus:
         )
         table = f"<table><tr>{head}</tr>{body}</table>" if body else ""
         return f"<div><b>{html.escape(self.headline())}</b>{table}</div>"
+
+
+def collect_status(lab, timeout: float, training: str | None = None) -> LabStatus:
+    """Ask every rank who it is (bounded by ``timeout``); while a run trains, ask nobody."""
+    if lab.cluster is None:
+        return LabStatus(lab.plan.describe(), running=False)
+    cluster = lab.cluster
+    pending = {} if training else {
+        rank: cluster.engine(rank).apply_async(rank_runtime.identity) for rank in range(lab.world_size)
+    }
+    deadline = time.monotonic() + timeout
+    rows = []
+    for rank in range(lab.world_size):
+        alive = cluster.is_alive(rank)
+        info = None
+        if alive and rank in pending:
+            try:
+                info = pending[rank].get(max(0.0, deadline - time.monotonic()))
+            except Exception:
+                info = None
+        if not alive:
+            state = "dead"
+        elif training:
+            state = "training"
+        elif info is None:
+            state = "busy"
+        else:
+            state = "ready" if info["group_ready"] else "no group"
+        rows.append(
+            RankStatus(
+                rank=rank,
+                engine=cluster.engine_of.get(rank),
+                pid=cluster.pid_of.get(rank),
+                state=state,
+                device=info["device"] if info else "?",
+                threads=info["threads"] if info else None,
+                generation=info["generation"] if info else None,
+                coordinate=lab.mesh_spec.coordinate(rank) if lab.mesh_spec else None,
+            )
+        )
+    return LabStatus(
+        lab.plan.describe(),
+        running=True,
+        generation=lab.generation,
+        mesh=lab.mesh_spec.describe() if lab.mesh_spec else None,
+        timeout=lab.timeout,
+        ranks=tuple(rows),
+        training=training,
+    )

@@ -15,7 +15,6 @@ this is rounding noise (< 1e-5 in float32).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 
@@ -23,12 +22,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from .comm_count import CollectiveCounter
 from .data import dataset_for, loss_function
+from .instruments import ControlChannel, Publisher, StepRecorder
 from .memory import estimated_bytes, local_bytes, memory_bytes
 from .models import build_model
 from .rank_runtime import this_rank
 from .strategies import parallelize, shard_for_memory_estimate
+from .timed_group import instrument_mesh
 from .train_config import OPTIMIZERS, TrainConfig
 
 
@@ -53,7 +53,7 @@ def _data_slice(config: TrainConfig, coordinate: dict[str, int], tensors):
 class ScriptContext:
     """What ``train`` needs from a rank, for a process started by torchrun instead of a lab.
 
-    The benchmark runs the very same loop both ways to measure what the lab adds.
+    The benchmarks run the very same loop both ways to measure what the lab adds.
     """
 
     def __init__(self) -> None:
@@ -63,27 +63,42 @@ class ScriptContext:
         self.rank = dist.get_rank()
         self.backend = dist.get_backend()
         self.device = torch.device("cpu")
+        self.recorder = StepRecorder(self.rank)
+        self.control_path = None
+        self.last_run = None
         self._meshes = {}
 
-    def mesh_for(self, shape, names):
-        key = (tuple(shape), tuple(names))
+    def mesh_for(self, shape, names, instrumented: bool = True):
+        key = (tuple(shape), tuple(names), instrumented)
         if key not in self._meshes:
-            self._meshes[key] = self._init_device_mesh(self.device.type, key[0], mesh_dim_names=key[1])
+            mesh = self._init_device_mesh(self.device.type, key[0], mesh_dim_names=key[1])
+            if instrumented:
+                instrument_mesh(mesh, self.recorder.sink, self.recorder.sample)
+            self._meshes[key] = mesh
         return self._meshes[key]
 
 
-def metered_step(steps: int) -> int:
-    """The step whose collectives are counted (and whose time is left out of the timing)."""
-    return 1 if steps >= 3 else steps - 1
+STOP_CHECK_EVERY = 4  # steps between agreements on a stop request (one 4-byte all-reduce)
 
 
-def _report_progress(config, mesh, parallel, reporter: bool, step: int, loss, seconds: float) -> None:
+def _agree_to_stop(requested: bool) -> bool:
+    """All ranks stop at the same step boundary, or none would be left waiting in a collective."""
+    flag = torch.tensor([1.0 if requested else 0.0])
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
+def _report_progress(config, mesh, parallel, recorder, reporter: bool, step: int, loss, seconds: float) -> None:
     """Print the step's loss averaged over dp replicas (outside the timed part of the step)."""
     if not parallel.owns_loss:
         return
     if "dp" in config.mesh_names and config.axis("dp") > 1:
         total = torch.tensor([loss], dtype=torch.float64)
-        dist.all_reduce(total, group=mesh["dp"].get_group())
+        recorder.paused = True  # this all-reduce is the lab's, not the model's
+        try:
+            dist.all_reduce(total, group=mesh["dp"].get_group())
+        finally:
+            recorder.paused = False
         loss = float(total) / config.axis("dp")
     if reporter:
         print(f"step {step + 1:>4}/{config.steps}  loss {loss:.4f}  {seconds * 1000:.1f} ms", flush=True)
@@ -91,56 +106,70 @@ def _report_progress(config, mesh, parallel, reporter: bool, step: int, loss, se
 
 def train(config: TrainConfig, context=None) -> dict:
     runtime = context or this_rank()
-    mesh = runtime.mesh_for(config.mesh_shape, config.mesh_names)
+    mesh = runtime.mesh_for(config.mesh_shape, config.mesh_names, instrumented=config.instruments)
     coordinate = _coordinate(mesh, config)
     data = dataset_for(config.model, config.model_config, config.seed)
     loss_fn = loss_function(config.model)
     model = build_model(config.model, config.model_config, config.seed, runtime.device)
     parallel = parallelize(model, mesh, config, loss_fn, runtime.device, runtime.backend)
     optimizer = make_optimizer(parallel.module.parameters(), config)
-    reporter = parallel.owns_loss and all(
-        index == 0 for name, index in coordinate.items() if name != "pp"
-    )
+    reporter = parallel.owns_loss and all(index == 0 for name, index in coordinate.items() if name != "pp")
+    recorder = runtime.recorder
+    recorder.timeline.clear()  # the timeline shows this run only
+    first_row = len(recorder.rows)
+    control = ControlChannel(runtime.control_path if config.instruments else None, runtime.rank)
+    publisher = Publisher(recorder) if config.instruments else None
+    samples = config.global_batch // config.axis("dp")
+    tokens = samples * config.model_config.seq if config.model == "gpt" else None
     losses, step_seconds = [], []
-    counter = CollectiveCounter()
     for step in range(config.steps):
+        control.poll()
+        if step and step % STOP_CHECK_EVERY == 0 and config.instruments and _agree_to_stop(control.stop_requested):
+            break
         inputs, targets = _data_slice(config, coordinate, data.batch(step, config.global_batch))
         inputs, targets = inputs.to(runtime.device), targets.to(runtime.device)
-        metering = counter if step == metered_step(config.steps) else contextlib.nullcontext()
+        if config.instruments:
+            recorder.begin_step(step)
         began = time.perf_counter()
-        with metering:
-            optimizer.zero_grad(set_to_none=True)
-            loss = parallel.forward_backward(inputs, targets)
-            optimizer.step()
+        delay = control.spend_delay()
+        optimizer.zero_grad(set_to_none=True)
+        loss = parallel.forward_backward(inputs, targets)
+        optimizer.step()
         step_seconds.append(time.perf_counter() - began)
         losses.append(loss)
+        if config.instruments:
+            recorder.end_step(samples, tokens, loss, delay)
+            publisher.maybe_publish()
         if step % config.log_every == 0 or step == config.steps - 1:
-            _report_progress(config, mesh, parallel, reporter, step, loss, step_seconds[-1])
+            _report_progress(config, mesh, parallel, recorder, reporter, step, loss, step_seconds[-1])
+    if publisher is not None:
+        publisher.maybe_publish(force=True)
+    runtime.last_run = {"model": parallel.module, "optimizer": optimizer, "config": config}
     result = {
         "rank": runtime.rank,
         "coordinate": coordinate,
         "owns_loss": parallel.owns_loss,
         "losses": losses if parallel.owns_loss else None,
         "step_seconds": step_seconds,
+        "steps_done": len(step_seconds),
         "memory": memory_bytes(parallel.module, optimizer),
-        "comm_bytes": dict(counter.bytes),
-        "comm_calls": dict(counter.calls),
-        "metered_step": metered_step(config.steps),
+        "rows": list(recorder.rows)[first_row:],
+        "timeline": list(recorder.timeline) if config.instruments else [],
     }
     if config.verify:
-        result["verify"] = compare_with_reference(config, parallel, runtime.device)
+        result["verify"] = compare_with_reference(config, parallel, runtime.device, len(step_seconds))
     return result
 
 
 @torch.enable_grad()
-def reference_parameters(config: TrainConfig, device) -> tuple[dict, dict]:
-    """(initial, final) parameters of single-process training on the same global batches."""
+def reference_parameters(config: TrainConfig, device, steps: int) -> tuple[dict, dict]:
+    """(initial, final) parameters of ``steps`` single-process steps on the same global batches."""
     model = build_model(config.model, config.model_config, config.seed, device)
     initial = {name: p.detach().clone() for name, p in model.named_parameters()}
     optimizer = make_optimizer(model.parameters(), config)
     data = dataset_for(config.model, config.model_config, config.seed)
     loss_fn = loss_function(config.model)
-    for step in range(config.steps):
+    for step in range(steps):
         inputs, targets = (t.to(device) for t in data.batch(step, config.global_batch))
         optimizer.zero_grad(set_to_none=True)
         loss_fn(model(inputs), targets).backward()
@@ -149,9 +178,9 @@ def reference_parameters(config: TrainConfig, device) -> tuple[dict, dict]:
 
 
 @torch.no_grad()
-def compare_with_reference(config: TrainConfig, parallel, device) -> dict:
+def compare_with_reference(config: TrainConfig, parallel, device, steps: int) -> dict:
     """Largest relative difference to single-process training, over all parameters and ranks."""
-    initial, reference = reference_parameters(config, device)
+    initial, reference = reference_parameters(config, device, steps)
     # Gathering a 2-D sharded parameter whole takes two all-gathers; torch warns
     # about that on every parameter, which is noise for a one-off comparison.
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
@@ -188,7 +217,7 @@ def compare_with_reference(config: TrainConfig, parallel, device) -> dict:
 def estimate_memory(config: TrainConfig) -> dict[str, int]:
     """This rank's parameter, gradient and optimizer bytes under ``config``, from a meta-device model."""
     runtime = this_rank()
-    mesh = runtime.mesh_for(config.mesh_shape, config.mesh_names)
+    mesh = runtime.mesh_for(config.mesh_shape, config.mesh_names, instrumented=config.instruments)
     model = build_model(config.model, config.model_config, config.seed, "meta")
     shard_for_memory_estimate(model, mesh, config, runtime.backend)
     param_bytes = sum(local_bytes(p) for p in {id(p): p for p in model.parameters()}.values())

@@ -75,6 +75,7 @@ class TrainConfig:
     max_memory: int | None = None
     verify: bool = False
     log_every: int = 10
+    instruments: bool = True
     model_settings: dict = field(default_factory=dict)
     mesh_names: tuple[str, ...] = ()
     mesh_shape: tuple[int, ...] = ()

@@ -27,33 +27,55 @@ class TrainReport:
     # -- derived numbers ------------------------------------------------------
 
     @property
+    def steps_done(self) -> int:
+        """Steps every rank completed (fewer than asked if the run was stopped)."""
+        return min(r["steps_done"] for r in self.results)
+
+    @property
+    def stopped_early(self) -> bool:
+        return self.steps_done < self.config.steps
+
+    @property
     def losses(self) -> list[float]:
         """Per step: the mean over dp replicas of each replica's loss."""
         owners = [
             r for r in self.results if r["owns_loss"] and r["coordinate"].get("tp", 0) == 0 and r["losses"] is not None
         ]
-        return [statistics.fmean(owner["losses"][step] for owner in owners) for step in range(self.config.steps)]
+        return [statistics.fmean(owner["losses"][step] for owner in owners) for step in range(self.steps_done)]
 
     @property
     def step_seconds(self) -> list[float]:
         """Per step: the slowest rank's time."""
-        return [max(r["step_seconds"][step] for r in self.results) for step in range(self.config.steps)]
+        return [max(r["step_seconds"][step] for r in self.results) for step in range(self.steps_done)]
 
     @property
     def median_step_seconds(self) -> float:
-        """Median over steps, leaving out the first (warm-up) and the metered one (slowed by counting)."""
-        metered = self.results[0]["metered_step"]
-        times = [t for step, t in enumerate(self.step_seconds) if step not in (0, metered)]
-        return statistics.median(times or self.step_seconds)
+        """Median over steps, leaving out the first (it warms up)."""
+        times = self.step_seconds
+        return statistics.median(times[1:] or times)
+
+    def _steady_rows(self, result: dict) -> list[dict]:
+        rows = result.get("rows") or []
+        return rows[1:] or rows
 
     @property
     def comm_bytes_per_step(self) -> dict[str, int]:
-        """Bytes through collectives in one step, by kind, summed over ranks."""
-        total: dict[str, int] = {}
+        """Bytes through collectives in one step, by kind, summed over ranks (mean over steps)."""
+        total: dict[str, float] = {}
         for result in self.results:
-            for kind, size in result["comm_bytes"].items():
-                total[kind] = total.get(kind, 0) + size
-        return dict(sorted(total.items()))
+            rows = self._steady_rows(result)
+            for row in rows:
+                for kind, size in row["bytes"].items():
+                    total[kind] = total.get(kind, 0) + size / len(rows)
+        return {kind: int(round(size)) for kind, size in sorted(total.items())}
+
+    def per_rank_means(self, field: str) -> list[float]:
+        """Mean of a row field (compute, exposed_comm, seconds) per rank, over steady steps."""
+        means = []
+        for result in self.results:
+            rows = self._steady_rows(result)
+            means.append(statistics.fmean(row[field] for row in rows) if rows else 0.0)
+        return means
 
     @property
     def comm_bytes_per_rank(self) -> float:
@@ -91,6 +113,19 @@ class TrainReport:
         difference = self.max_relative_difference
         return None if difference is None else difference < EQUIVALENCE_TOLERANCE
 
+    def timeline(self, steps: int | None = 4):
+        """A Gantt picture of the last ``steps`` steps on every rank (``export_trace`` for Perfetto)."""
+        from .timeline import Timeline
+
+        entries = {result["rank"]: result["timeline"] for result in self.results}
+        if not all(entries.values()):
+            raise ValueError("this run kept no timeline (it ran with instruments=False)")
+        return Timeline(entries, steps, title=f"{self.config.describe()}: last steps")
+
+    def export_trace(self, path: str, steps: int | None = None) -> str:
+        """Write a Chrome/Perfetto trace of the last steps (all that were kept by default)."""
+        return self.timeline(steps).export_trace(path)
+
     # -- pictures ---------------------------------------------------------------
 
     def _memory_rows(self) -> list[tuple[str, ...]]:
@@ -115,9 +150,14 @@ class TrainReport:
         rate = f"{self.samples_per_second:,.0f} samples/s"
         if self.tokens_per_second is not None:
             rate += f" ({self.tokens_per_second:,.0f} tokens/s)"
-        kinds = ", ".join(f"{kind} {format_bytes(size / len(self.results))}" for kind, size in self.comm_bytes_per_step.items())
+        total = sum(self.comm_bytes_per_step.values()) or 1
+        kinds = ", ".join(  # kinds under 0.1% of the traffic (DDP's one-off bucket rebuild, say) are left out
+            f"{kind} {format_bytes(size / len(self.results))}" for kind, size in self.comm_bytes_per_step.items()
+            if size >= total / 1000
+        )
+        stopped = f" (stopped after {self.steps_done})" if self.stopped_early else ""
         lines = [
-            f"{config.describe()}: {config.steps} steps, global batch {config.global_batch}",
+            f"{config.describe()}: {config.steps} steps{stopped}, global batch {config.global_batch}",
             f"loss {losses[0]:.4f} -> {losses[-1]:.4f}",
             f"step time {self.median_step_seconds * 1000:.1f} ms (median, slowest rank), {rate}",
             f"communication per rank and step: {format_bytes(self.comm_bytes_per_rank)}" + (f" ({kinds})" if kinds else ""),

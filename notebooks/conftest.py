@@ -1,7 +1,8 @@
 """nbval settings for the workshop notebooks.
 
-Widget views and HTML are not compared: widgets carry random model ids, and every
-HTML output here (mesh pictures, status tables) has a text/plain twin that is.
+Widget views, HTML and pictures are not compared: widgets carry random model ids,
+every HTML output here (mesh pictures, status tables) has a text/plain twin that
+is, and pictures of timings (dashboards, timelines, benchmarks) differ every run.
 """
 
 
@@ -10,4 +11,5 @@ def pytest_collectstart(collector):
         collector.skip_compare += (
             "application/vnd.jupyter.widget-view+json",
             "text/html",
+            "image/png",
         )

@@ -1,0 +1,258 @@
+"""The live training dashboard: ipywidgets around a matplotlib figure, redrawn in place.
+
+The figure is made once (Agg canvas, no pyplot, so any thread may draw it) with
+four panels: throughput per rank and in total; each rank's step split into
+compute and exposed communication; communication time and bytes by collective;
+the loss. Injected slowdowns are marked on the time axes, flagged stragglers in
+red. ``update`` only moves data into existing artists and re-renders to PNG, at
+most ``max_rate`` times a second; the PNG goes into an ``ipywidgets.Image``.
+
+When the run ends, ``finish`` writes the last picture into a plain display
+output too, so an executed or exported notebook keeps it without widgets.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import threading
+import time
+
+import ipywidgets as widgets
+from IPython.display import display
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
+from matplotlib.patches import Patch
+from matplotlib.ticker import MaxNLocator
+
+from .metrics import MetricsTable
+from .train_config import format_bytes
+
+RANK_COLOURS = ("#4477aa", "#ee6677", "#228833", "#ccbb44", "#66ccee", "#aa3377", "#bbbbbb", "#000000")
+COMPUTE, WAITING = "#4477aa", "#ee9944"
+
+
+def _colour(rank: int) -> str:
+    return RANK_COLOURS[rank % len(RANK_COLOURS)]
+
+
+def _grow(value: float, factor: float) -> float:
+    """The smallest power of ``factor`` at or above ``value``: a range that grows in steps."""
+    limit = 1e-6
+    while limit < value:
+        limit *= factor
+    return limit
+
+
+def _encode_png(canvas) -> bytes:
+    """The drawn canvas as PNG, compressed lightly: encoding is most of a redraw's cost otherwise."""
+    from PIL import Image as PILImage
+
+    width, height = canvas.get_width_height()
+    picture = PILImage.frombuffer("RGBA", (width, height), canvas.buffer_rgba(), "raw", "RGBA", 0, 1)
+    buffer = io.BytesIO()
+    picture.convert("RGB").save(buffer, format="PNG", compress_level=1)
+    return buffer.getvalue()
+
+
+class Dashboard:
+    """Draws a ``MetricsTable``; shows a Stop button when the run can be stopped from here."""
+
+    def __init__(self, table: MetricsTable, title: str, on_stop=None, max_rate: float = 2.5) -> None:
+        self.table = table
+        self.title = title
+        self.min_interval = 1.0 / max_rate
+        self.draws = 0
+        self.render_seconds = 0.0
+        self._last_draw = 0.0
+        self._lock = threading.Lock()
+        self.header = widgets.HTML(value=f"<b>{title}</b>: starting")
+        self.image = widgets.Image(format="png", layout=widgets.Layout(width="760px"))
+        self.stop_button = widgets.Button(description="Stop", button_style="danger", icon="stop")
+        self.stop_button.layout.display = "" if on_stop else "none"
+        if on_stop:
+            self.stop_button.on_click(lambda _: self._stop(on_stop))
+        self.widget = widgets.VBox([widgets.HBox([self.stop_button, self.header]), self.image])
+        self._final = None
+        self._build_figure()
+
+    def _stop(self, on_stop) -> None:
+        self.stop_button.disabled = True
+        self.stop_button.description = "Stopping"
+        on_stop()
+
+    def show(self) -> None:
+        """Display the widget and an (empty) slot for the final picture."""
+        self.update(force=True)
+        display(self.widget)
+        # Empty until the run ends, so a saved notebook does not depend on timing.
+        self._final = display({"text/plain": ""}, raw=True, display_id=True)
+
+    # -- the figure: artists made once, then only fed new data -------------
+
+    def _build_figure(self) -> None:
+        # Axes, ticks and labels are drawn only when a range grows; each frame
+        # restores that background and draws just the data ("blitting"): text
+        # is most of what matplotlib spends on a frame.
+        self.figure = Figure(figsize=(10.5, 5.6), dpi=72)
+        FigureCanvasAgg(self.figure)
+        self.figure.subplots_adjust(left=0.07, right=0.98, top=0.94, bottom=0.09, hspace=0.45, wspace=0.22)
+        axes = self.figure.subplots(2, 2)
+        self._throughput, self._split, self._collectives, self._loss = axes.flat
+        for ax in axes.flat:
+            ax.tick_params(labelsize=8)
+            ax.xaxis.set_major_locator(MaxNLocator(5, integer=True))
+            ax.yaxis.set_major_locator(MaxNLocator(5))
+        ranks = self.table.ranks()
+        self._rate_lines = {
+            rank: self._throughput.plot([], [], color=_colour(rank), linewidth=1, label=f"rank {rank}", animated=True)[0]
+            for rank in ranks
+        }
+        self._throughput.set_title("throughput per rank (samples/s)", fontsize=10)
+        self._throughput.set_xlabel("step", fontsize=9)
+        self._throughput.legend(handles=[Line2D([], [], color=_colour(r), label=f"rank {r}") for r in ranks],
+                                fontsize=7, loc="lower left", ncol=min(4, max(1, len(ranks))))
+        self._compute_bars = self._split.bar(ranks, [0] * len(ranks), color=COMPUTE, label="compute", animated=True)
+        self._waiting_bars = self._split.bar(ranks, [0] * len(ranks), color=WAITING, label="exposed communication",
+                                             animated=True)
+        self._split.set_title("step time per rank, ms (recent mean)", fontsize=10)
+        self._split.set_xticks(ranks)
+        # Drawn after the bars each frame, so they never cover it.
+        self._split_legend = self._split.legend(
+            handles=[Patch(color=COMPUTE, label="compute"), Patch(color=WAITING, label="exposed communication")],
+            fontsize=7, loc="upper right", framealpha=0.9)
+        self._split_legend.set_animated(True)
+        self._straggler_marks = [
+            self._split.text(rank, 0, "straggler", ha="center", va="bottom", fontsize=8, color="#cc3311",
+                             animated=True, visible=False)
+            for rank in ranks
+        ]
+        self._collectives.set_title("communication per step, all ranks (ms)", fontsize=10)
+        self._kinds: tuple = ()
+        self._kind_bars, self._kind_labels = [], []
+        self._loss_line = self._loss.plot([], [], color="#222222", animated=True)[0]
+        self._loss.set_title("loss", fontsize=10)
+        self._loss.set_xlabel("step", fontsize=9)
+        self._marked_events: set = set()
+        self._limits = None
+        self._background = None
+
+    def update(self, force: bool = False, status: str | None = None) -> bool:
+        """Redraw if due (or ``force``); return whether it drew."""
+        now = time.monotonic()
+        if not force and now - self._last_draw < self.min_interval:
+            return False
+        with self._lock:
+            self._last_draw = now
+            began = time.perf_counter()
+            self.image.value = self._render()
+            self.render_seconds += time.perf_counter() - began
+            self.header.value = f"<b>{self.title}</b>: {status or self._status()}"
+            self.draws += 1
+        return True
+
+    def _status(self) -> str:
+        step = self.table.latest_step
+        if step is None:
+            return "waiting for the first step"
+        flagged = self.table.flagged()
+        stragglers = f"; <span style='color:#cc3311'>straggler: rank {', '.join(map(str, flagged))}</span>" if flagged else ""
+        return f"step {step + 1}, {self.table.total_throughput():,.0f} samples/s in total{stragglers}"
+
+    def _render(self) -> bytes:
+        table = self.table
+        flagged = set(table.flagged())
+        rates = {rank: table.throughput(rank) for rank in self._rate_lines}
+        shares = table.split()
+        kinds = table.by_collective()
+        loss_steps, losses = table.loss()
+        for event in table.slow_events():
+            if event not in self._marked_events:
+                self._mark(event)
+                self._background = None
+        if tuple(kinds) != self._kinds:
+            self._lay_out_collectives(kinds)
+        limits = self._wanted_limits(rates, shares, kinds, losses)
+        if self._background is None or limits != self._limits:
+            self._apply_limits(limits)
+            self.figure.canvas.draw()  # the background: everything not animated
+            self._background = self.figure.canvas.copy_from_bbox(self.figure.bbox)
+        else:
+            self.figure.canvas.restore_region(self._background)
+        for rank, line in self._rate_lines.items():
+            line.set_data(*rates[rank])
+            line.set_linewidth(2.5 if rank in flagged else 1)
+            self._throughput.draw_artist(line)
+        for rank, compute_bar, waiting_bar, mark in zip(
+            self._rate_lines, self._compute_bars, self._waiting_bars, self._straggler_marks
+        ):
+            compute, waiting = (value * 1000 for value in shares.get(rank, (0.0, 0.0)))
+            compute_bar.set_height(compute)
+            waiting_bar.set_y(compute)
+            waiting_bar.set_height(waiting)
+            mark.set_position((rank, compute + waiting))
+            mark.set_visible(rank in flagged)
+            for artist in (compute_bar, waiting_bar, mark):
+                self._split.draw_artist(artist)
+        self._split.draw_artist(self._split_legend)
+        for bar, label, (seconds, size) in zip(self._kind_bars, self._kind_labels, kinds.values()):
+            bar.set_width(seconds * 1000)
+            label.set_position((seconds * 1000, label.get_position()[1]))
+            label.set_text(f" {format_bytes(size)}")
+            self._collectives.draw_artist(bar)
+            self._collectives.draw_artist(label)
+        self._loss_line.set_data(loss_steps, losses)
+        self._loss.draw_artist(self._loss_line)
+        return _encode_png(self.figure.canvas)
+
+    def _wanted_limits(self, rates, shares, kinds, losses) -> tuple:
+        """Axis ranges, grown in coarse jumps so the background is seldom redrawn."""
+        last_step = max([steps[-1] for steps, _ in rates.values() if steps] + [1])
+        top_rate = max([max(values) for _, values in rates.values() if values] + [1.0])
+        top_split = max([sum(pair) * 1000 for pair in shares.values()] + [1.0]) * 1.3  # room for the legend
+        top_comm = max([seconds * 1000 for seconds, _ in kinds.values()] + [1.0])
+        top_loss = max(losses + [1e-3])
+        return (_grow(last_step + 1, 1.5), _grow(top_rate, 1.25), _grow(top_split, 1.25), _grow(top_comm, 1.25),
+                _grow(top_loss, 1.25))
+
+    def _apply_limits(self, limits: tuple) -> None:
+        self._limits = limits
+        steps, rate, split, comm, loss = limits
+        self._throughput.set_xlim(0, steps)
+        self._throughput.set_ylim(0, rate)
+        self._loss.set_xlim(0, steps)
+        self._loss.set_ylim(0, loss)
+        self._split.set_ylim(0, split)
+        self._split.set_xlim(-0.6, len(self._rate_lines) - 0.4)
+        self._collectives.set_xlim(0, comm)
+
+    def _lay_out_collectives(self, kinds: dict) -> None:
+        for artist in [*self._kind_bars, *self._kind_labels]:
+            artist.remove()
+        self._kinds = tuple(kinds)
+        self._kind_bars = list(self._collectives.barh(list(kinds), [0] * len(kinds), color="#66ccee", animated=True))
+        self._kind_labels = [self._collectives.text(0, index, "", va="center", fontsize=8, animated=True)
+                             for index in range(len(kinds))]
+        self._collectives.set_yticks(range(len(kinds)), list(kinds))
+        self._collectives.set_ylim(-0.6, max(len(kinds), 1) - 0.4)
+        self._background = None
+
+    def _mark(self, event) -> None:
+        rank, step, delay = event
+        self._marked_events.add(event)
+        text = f"rank {rank} +{delay * 1000:.0f} ms" if delay else f"rank {rank} back to normal"
+        for axes in (self._throughput, self._loss):
+            axes.axvline(step, color=_colour(rank), linestyle="--", linewidth=1)
+        self._throughput.annotate(text, (step, 0.02), xycoords=("data", "axes fraction"), rotation=90,
+                                  fontsize=7, va="bottom", ha="right", color=_colour(rank))
+
+    def finish(self, status: str) -> None:
+        """Last redraw; leave the final picture as a plain image output as well."""
+        self.update(force=True, status=status)
+        self.stop_button.disabled = True
+        self.stop_button.description = "Done"
+        if self._final is not None:
+            # Same (empty) text as the placeholder: only the picture differs from run to run.
+            picture = base64.b64encode(self.image.value).decode("ascii")
+            self._final.update({"image/png": picture, "text/plain": ""}, raw=True)

@@ -1,0 +1,200 @@
+"""Process groups that time every collective, whoever calls it.
+
+A ``TimedGroup`` is a ``torch.distributed.ProcessGroup`` written in Python that
+stands in front of a real gloo (or nccl) group: every collective it is asked for
+is passed to the real group unchanged, and the call is noted (kind, bytes, when
+it was issued) together with when its work completed. Because it *is* the
+process group, it sees DDP's bucketed all-reduces issued from C++ during
+backward, FSDP's all-gathers and reduce-scatters, DTensor's functional
+collectives (resolved by group name) and the pipeline's sends and receives.
+
+``instrument_mesh`` swaps the groups of a ``DeviceMesh`` for timed ones under the
+same names, so everything built on the mesh afterwards is measured. Operations a
+TimedGroup does not override still work: the base class sends them to the real
+group's backend, untimed.
+
+Bytes follow nccl-tests: the buffer an operation works on (the gathered output
+for all-gather, the full input for reduce-scatter).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import _register_process_group, _resolve_process_group, _unregister_process_group
+from torch.distributed import distributed_c10d as c10d
+
+
+def _bytes(value) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, (list, tuple)):
+        return sum(_bytes(item) for item in value)
+    return 0
+
+
+class TimedWork(dist.Work):
+    """Wraps a real work handle so a blocking ``wait`` is timed too (send/recv have no future)."""
+
+    def __init__(self, inner: dist.Work, on_wait) -> None:
+        super().__init__()
+        self.inner = inner
+        self.on_wait = on_wait
+
+    def wait(self, timeout=None) -> bool:
+        began = time.perf_counter()
+        result = self.inner.wait() if timeout is None else self.inner.wait(timeout)
+        self.on_wait(began, time.perf_counter())
+        return result
+
+    def is_completed(self) -> bool:
+        return self.inner.is_completed()
+
+    def is_success(self) -> bool:
+        return self.inner.is_success()
+
+    def exception(self):
+        return self.inner.exception()
+
+    def get_future(self):
+        return self.inner.get_future()
+
+    def result(self):
+        return self.inner.result()
+
+
+class TimedGroup(dist.ProcessGroup):
+    """A process group that forwards every collective to ``inner`` and reports it to ``sink``.
+
+    ``sink(kind, nbytes, issued, completed)`` is called once per operation, from
+    whichever thread saw it complete (times from ``time.perf_counter``);
+    ``on_issue()``, if given, when an operation is issued.
+    """
+
+    def __init__(self, inner: dist.ProcessGroup, sink, on_issue=None) -> None:
+        super().__init__(inner.rank(), inner.size())
+        self.inner = inner
+        self.sink = sink
+        self.on_issue = on_issue
+        for device in inner._device_types:
+            backend = inner._get_backend(device)
+            self._register_backend(device, _backend_type(inner), backend)
+        self._set_default_backend(_backend_type(inner))
+
+    # -- bookkeeping ------------------------------------------------------
+
+    def _issue(self, kind: str, nbytes: int, call, *args, **kwargs):
+        if self.on_issue is not None:
+            self.on_issue()
+        issued = time.perf_counter()
+        work = call(*args, **kwargs)
+        try:
+            future = work.get_future()
+        except RuntimeError:  # p2p work has no future: its wait() marks completion
+            return TimedWork(work, lambda began, ended: self.sink(kind, nbytes, issued, ended))
+        future.then(lambda _: self.sink(kind, nbytes, issued, time.perf_counter()))
+        return work
+
+    # -- collectives --------------------------------------------------------
+
+    def allreduce(self, tensors, *args, **kwargs):
+        return self._issue("all_reduce", _bytes(tensors), self.inner.allreduce, tensors, *args, **kwargs)
+
+    def allreduce_coalesced(self, tensors, *args, **kwargs):
+        return self._issue("all_reduce", _bytes(tensors), self.inner.allreduce_coalesced, tensors, *args, **kwargs)
+
+    def allgather(self, output_tensors, input_tensors, *args, **kwargs):
+        return self._issue("all_gather", _bytes(output_tensors), self.inner.allgather, output_tensors, input_tensors, *args, **kwargs)
+
+    def _allgather_base(self, output, input, *args, **kwargs):
+        return self._issue("all_gather", _bytes(output), self.inner._allgather_base, output, input, *args, **kwargs)
+
+    def allgather_into_tensor_coalesced(self, outputs, inputs, *args, **kwargs):
+        return self._issue("all_gather", _bytes(outputs), self.inner.allgather_into_tensor_coalesced, outputs, inputs, *args, **kwargs)
+
+    def reduce_scatter(self, output_tensors, input_tensors, *args, **kwargs):
+        return self._issue("reduce_scatter", _bytes(input_tensors), self.inner.reduce_scatter, output_tensors, input_tensors, *args, **kwargs)
+
+    def _reduce_scatter_base(self, output, input, *args, **kwargs):
+        return self._issue("reduce_scatter", _bytes(input), self.inner._reduce_scatter_base, output, input, *args, **kwargs)
+
+    def reduce_scatter_tensor_coalesced(self, outputs, inputs, *args, **kwargs):
+        return self._issue("reduce_scatter", _bytes(inputs), self.inner.reduce_scatter_tensor_coalesced, outputs, inputs, *args, **kwargs)
+
+    def all_gather_single(self, output, input, *args, **kwargs):
+        return self._issue("all_gather", _bytes(output), self.inner.all_gather_single, output, input, *args, **kwargs)
+
+    def all_gather_single_coalesced(self, outputs, inputs, *args, **kwargs):
+        return self._issue("all_gather", _bytes(outputs), self.inner.all_gather_single_coalesced, outputs, inputs, *args, **kwargs)
+
+    def reduce_scatter_single(self, output, input, *args, **kwargs):
+        return self._issue("reduce_scatter", _bytes(input), self.inner.reduce_scatter_single, output, input, *args, **kwargs)
+
+    def reduce_scatter_single_coalesced(self, outputs, inputs, *args, **kwargs):
+        return self._issue("reduce_scatter", _bytes(inputs), self.inner.reduce_scatter_single_coalesced, outputs, inputs, *args, **kwargs)
+
+    def all_to_all_single(self, output, input, *args, **kwargs):
+        return self._issue("all_to_all", _bytes(input), self.inner.all_to_all_single, output, input, *args, **kwargs)
+
+    def broadcast(self, tensors, *args, **kwargs):
+        return self._issue("broadcast", _bytes(tensors), self.inner.broadcast, tensors, *args, **kwargs)
+
+    def alltoall_base(self, output, input, *args, **kwargs):
+        return self._issue("all_to_all", _bytes(input), self.inner.alltoall_base, output, input, *args, **kwargs)
+
+    def send(self, tensors, *args, **kwargs):
+        return self._issue("send", _bytes(tensors), self.inner.send, tensors, *args, **kwargs)
+
+    def recv(self, tensors, *args, **kwargs):
+        return self._issue("recv", _bytes(tensors), self.inner.recv, tensors, *args, **kwargs)
+
+    def barrier(self, *args, **kwargs):
+        return self._issue("barrier", 0, self.inner.barrier, *args, **kwargs)
+
+    # -- identity -------------------------------------------------------
+
+    def getBackendName(self) -> str:  # noqa: N802 - the name pybind calls
+        return self.inner.name()
+
+    def name(self) -> str:
+        return self.inner.name()
+
+
+def _backend_type(group: dist.ProcessGroup):
+    name = group.name()
+    return {"gloo": dist.ProcessGroup.BackendType.GLOO, "nccl": dist.ProcessGroup.BackendType.NCCL}.get(
+        name, dist.ProcessGroup.BackendType.CUSTOM
+    )
+
+
+def wrap_group(inner: dist.ProcessGroup, sink, on_issue=None) -> TimedGroup:
+    """Put a TimedGroup in ``inner``'s place: same name, same ranks, same store."""
+    name = inner.group_name
+    timed = TimedGroup(inner, sink, on_issue)
+    world = c10d._world
+    world.pg_map[timed] = world.pg_map[inner]
+    world.pg_names[timed] = world.pg_names[inner]
+    world.pg_group_ranks[timed] = world.pg_group_ranks[inner]
+    if inner in world.pg_backend_config:
+        world.pg_backend_config[timed] = world.pg_backend_config[inner]
+    if inner in world.pg_to_tag:
+        tag = world.pg_to_tag[inner]
+        world.pg_to_tag[timed] = tag
+        world.tags_to_pg.setdefault(tag, []).append(timed)
+    timed._set_group_name(name)
+    timed._set_group_desc(inner.group_desc)
+    _unregister_process_group(name)
+    _register_process_group(name, timed)
+    return timed
+
+
+def instrument_mesh(mesh, sink, on_issue=None) -> None:
+    """Make every collective over ``mesh``'s groups reach ``sink``."""
+    for name in mesh._dim_group_names:
+        group = _resolve_process_group(name)
+        if not isinstance(group, TimedGroup):
+            timed = wrap_group(group, sink, on_issue)
+            if name in getattr(mesh, "_pg_registry", {}):
+                mesh._pg_registry[name] = timed
