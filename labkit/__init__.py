@@ -25,6 +25,9 @@ _EXPORTS = {
     "RankTimeout": "labkit.errors",
     "RankInterrupted": "labkit.errors",
     "LabNotRunning": "labkit.errors",
+    "LabBusy": "labkit.errors",
+    "TrainingRun": "labkit.training_run",
+    "TrainReport": "labkit.train_report",
     "this_rank": "labkit.rank_runtime",
 }
 

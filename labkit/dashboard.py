@@ -27,6 +27,7 @@ from matplotlib.patches import Patch
 from matplotlib.ticker import MaxNLocator
 
 from .metrics import MetricsTable
+from .rank_output import in_kernel
 from .train_config import format_bytes
 
 RANK_COLOURS = ("#4477aa", "#ee6677", "#228833", "#ccbb44", "#66ccee", "#aa3377", "#bbbbbb", "#000000")
@@ -83,8 +84,10 @@ class Dashboard:
         on_stop()
 
     def show(self) -> None:
-        """Display the widget and an (empty) slot for the final picture."""
+        """Display the widget and an (empty) slot for the final picture (in a notebook only)."""
         self.update(force=True)
+        if not in_kernel():
+            return  # a script or test: the picture is still drawn, into ``image``
         display(self.widget)
         # Empty until the run ends, so a saved notebook does not depend on timing.
         self._final = display({"text/plain": ""}, raw=True, display_id=True)
@@ -231,7 +234,9 @@ class Dashboard:
         for artist in [*self._kind_bars, *self._kind_labels]:
             artist.remove()
         self._kinds = tuple(kinds)
-        self._kind_bars = list(self._collectives.barh(list(kinds), [0] * len(kinds), color="#66ccee", animated=True))
+        # Numeric positions: categorical ones would remember kinds that have gone.
+        self._kind_bars = list(self._collectives.barh(range(len(kinds)), [0] * len(kinds), color="#66ccee",
+                                                      animated=True))
         self._kind_labels = [self._collectives.text(0, index, "", va="center", fontsize=8, animated=True)
                              for index in range(len(kinds))]
         self._collectives.set_yticks(range(len(kinds)), list(kinds))

@@ -110,8 +110,10 @@ class MetricsTable:
 
     @property
     def latest_step(self) -> int | None:
-        steps = [max(rows) for rows in self.rows.values() if rows]
-        return min(steps) if steps else None
+        """The newest step every rank has reported (None until each has reported one)."""
+        if not self.rows or not all(self.rows.values()):
+            return None
+        return min(max(rows) for rows in self.rows.values())
 
     def _recent(self, rank: int, count: int | None = None) -> list[dict]:
         count = count or 2 * self.window

@@ -56,7 +56,8 @@ class RankTexts:
         return "\n".join(out) + ("\n" if out else ""), "\n".join(err) + ("\n" if err else "")
 
 
-def _in_kernel() -> bool:
+def in_kernel() -> bool:
+    """Whether this code runs in a Jupyter kernel (where displays can be redrawn)."""
     try:
         from IPython import get_ipython
     except ImportError:
@@ -72,7 +73,7 @@ class LiveOutput:
         self.texts = texts
         self.show_values = show_values
         self.silent = silent  # collect only (work running in the background prints nowhere)
-        self.in_kernel = _in_kernel() if live is None else live
+        self.in_kernel = in_kernel() if live is None else live
         self._handle = None
         self._last_draw = 0.0
         self._dirty = False

@@ -92,3 +92,19 @@ def test_train_magic_runs_a_strategy_and_verifies(started, capsys):
         started.run_line_magic("lab", "train --strategy fsdp+tp --model gpt")
     with pytest.raises(UsageError, match="name=value"):
         started.run_line_magic("lab", "train --model-settings dim")
+
+
+def test_slow_bench_and_dashboard_magics(started, capsys):
+    started.run_line_magic("lab", "slow 1 20ms")
+    assert "rank 1 now takes 20 ms longer" in capsys.readouterr().out
+    started.run_line_magic("lab", "slow 1 off")
+    assert "rank 1 runs at its own speed again" in capsys.readouterr().out
+    with pytest.raises(UsageError, match="30ms"):
+        started.run_line_magic("lab", "slow 1 soon")
+    with pytest.raises(UsageError, match="e.g. %lab slow 2 30ms"):
+        started.run_line_magic("lab", "slow 1")
+    bench = started.run_line_magic("lab", "bench allreduce --sizes 1KB:4KB --iters 3")
+    assert bench.sizes == [1024, 2048, 4096] and "all_reduce on 2 ranks" in str(bench)
+    run = started.run_line_magic("lab", "train --model mlp --steps 3 --batch 8 --dashboard")
+    report = run.wait(120)
+    assert report.steps_done == 3 and run.dashboard.draws >= 1

@@ -1,0 +1,113 @@
+"""The instruments notebook in a real browser: JupyterLab on loopback, headless Chromium.
+
+Playwright drives Debian's Chromium (``executable_path``; no browser download).
+The test opens ``notebooks/05_instruments.ipynb``, runs every cell, checks that
+the live dashboard appears and changes while training runs, and saves a
+screenshot to ``tests/artifacts/dashboard.png``. Without Chromium or Playwright
+it is skipped with the reason; ``.ci/run`` installs both.
+"""
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.lab
+
+ROOT = Path(__file__).resolve().parent.parent
+ARTIFACTS = ROOT / "tests" / "artifacts"
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+CHROMIUM_ARGS = [
+    "--no-sandbox",  # CI runs as root
+    "--disable-gpu",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def jupyterlab(tmp_path_factory):
+    if not os.path.exists(CHROMIUM):
+        pytest.skip("Chromium is not installed (apt-get install chromium); .ci/run installs it")
+    pytest.importorskip("playwright.sync_api", reason="the playwright package is not installed")
+    root = tmp_path_factory.mktemp("lab")
+    shutil.copy(ROOT / "notebooks" / "05_instruments.ipynb", root / "instruments.ipynb")
+    port, token = _free_port(), "labkit-browser-test"
+    command = [
+        sys.executable, "-m", "jupyter", "lab", "--no-browser", f"--ServerApp.port={port}",
+        "--ServerApp.ip=127.0.0.1", f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}",
+        "--ServerApp.allow_root=True", "--LabApp.news_url=", "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+    ]
+    log = open(root / "jupyterlab.log", "w")
+    server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=root, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            urllib.request.urlopen(f"{base}/api/status?token={token}", timeout=2)
+            break
+        except OSError:
+            if time.monotonic() > deadline or server.poll() is not None:
+                server.kill()
+                pytest.fail(f"JupyterLab did not start; its log:\n{(root / 'jupyterlab.log').read_text()[-3000:]}")
+            time.sleep(0.5)
+    yield f"{base}/lab/tree/instruments.ipynb?token={token}"
+    server.terminate()
+    try:
+        server.wait(20)
+    except subprocess.TimeoutExpired:
+        server.kill()
+    log.close()
+
+
+def _dashboard_pictures(page) -> list[str]:
+    return page.eval_on_selector_all("img.widget-image", "images => images.map(image => image.src)")
+
+
+def test_dashboard_renders_and_changes_while_training(jupyterlab):
+    from playwright.sync_api import sync_playwright
+
+    ARTIFACTS.mkdir(exist_ok=True)
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page.goto(jupyterlab)
+            page.wait_for_selector(".jp-Notebook", timeout=60_000)
+            page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=60_000)
+            page.click(".lm-MenuBar-itemLabel:text-is('Run')")
+            page.click(".lm-Menu-itemLabel:text-is('Run All Cells')")
+            # Attached, not visible: JupyterLab may keep cells outside the view unpainted.
+            page.wait_for_selector("img.widget-image", state="attached", timeout=180_000)
+            page.locator("img.widget-image").first.scroll_into_view_if_needed()
+            seen = set()
+            deadline = time.monotonic() + 60
+            while len(seen) < 3 and time.monotonic() < deadline:
+                seen.update(_dashboard_pictures(page))
+                time.sleep(0.3)
+            assert len(seen) >= 3, "the dashboard picture must change while the run trains"
+            page.locator("img.widget-image").first.scroll_into_view_if_needed()
+            header = page.locator(".widget-html-content").filter(has_text="under ddp").first.text_content()
+            assert "step" in header or "waiting" in header
+            page.screenshot(path=str(ARTIFACTS / "dashboard.png"), full_page=False)
+            # The notebook goes on to the timelines and stops the lab: let it, so no rank is left.
+            page.wait_for_selector("text=lab stopped: no rank, controller or port left", state="attached",
+                                   timeout=300_000)
+            assert page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']").filter(
+                has_text="Traceback").count() == 0
+        finally:
+            browser.close()
