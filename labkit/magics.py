@@ -20,6 +20,7 @@ Each magic parses its words and calls one method of the ``Lab`` it holds; the
 from __future__ import annotations
 
 import argparse
+import re
 import shlex
 import time
 
@@ -64,16 +65,21 @@ def _settings(text: str) -> dict:
     return settings
 
 
-def _size_range(text: str) -> list[int]:
-    """``1KB:16MB`` -> every power of two from 1 KiB to 16 MiB (sizes in binary units)."""
-    from .train_config import parse_bytes
+_BINARY = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}
 
+
+def _binary_size(text: str) -> int:
+    """``4KB`` or ``4KiB`` -> 4096: message sizes are powers of two, so units are binary."""
+    match = re.fullmatch(r"\s*(\d+)\s*([KMG]?)(?:i?B)?\s*", text, re.IGNORECASE)
+    if not match:
+        raise argparse.ArgumentTypeError(f"write a size like 4KB or 16MB, got {text!r}")
+    return int(match.group(1)) * _BINARY[match.group(2).upper()]
+
+
+def _size_range(text: str) -> list[int]:
+    """``1KB:16MB`` -> every power of two from 1 KiB to 16 MiB."""
     low, _, high = text.partition(":")
-    try:
-        low_bytes, high_bytes = parse_bytes(low.replace("B", "iB").replace("iiB", "iB")), parse_bytes(
-            (high or low).replace("B", "iB").replace("iiB", "iB"))
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
+    low_bytes, high_bytes = _binary_size(low), _binary_size(high or low)
     sizes, size = [], 1
     while size < low_bytes:
         size *= 2

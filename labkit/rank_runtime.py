@@ -325,10 +325,6 @@ def join_group(port: int, generation: int, timeout_seconds: float) -> int:
     return _runtime().join_group(port, generation, timeout_seconds)
 
 
-def leave_group() -> None:
-    _runtime().leave_group()
-
-
 def build_mesh(shape: list[int], names: list[str]):
     return _runtime().build_mesh(shape, names)
 
