@@ -60,7 +60,7 @@ def _encode_png(canvas) -> bytes:
 class Dashboard:
     """Draws a ``MetricsTable``; shows a Stop button when the run can be stopped from here."""
 
-    def __init__(self, table: MetricsTable, title: str, on_stop=None, max_rate: float = 2.5) -> None:
+    def __init__(self, table: MetricsTable, title: str, on_stop=None, max_rate: float = 3.0) -> None:
         self.table = table
         self.title = title
         self.min_interval = 1.0 / max_rate
@@ -216,8 +216,8 @@ class Dashboard:
         top_split = max([sum(pair) * 1000 for pair in shares.values()] + [1.0]) * 1.3  # room for the legend
         top_comm = max([seconds * 1000 for seconds, _ in kinds.values()] + [1.0])
         top_loss = max(losses + [1e-3])
-        return (_grow(last_step + 1, 1.5), _grow(top_rate, 1.25), _grow(top_split, 1.25), _grow(top_comm, 1.25),
-                _grow(top_loss, 1.25))
+        return (_grow(last_step + 1, 2.0), _grow(top_rate, 1.5), _grow(top_split, 1.5), _grow(top_comm, 1.5),
+                _grow(top_loss, 1.5))
 
     def _apply_limits(self, limits: tuple) -> None:
         self._limits = limits

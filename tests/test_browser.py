@@ -74,6 +74,31 @@ def jupyterlab(tmp_path_factory):
     log.close()
 
 
+def _run_all_cells(page) -> None:
+    """Wait for the kernel, make the notebook the active panel, then Run > Run All Cells.
+
+    On a fresh install JupyterLab takes a while to start the kernel; a command
+    chosen before the notebook is active is disabled and does nothing, so the
+    click is retried until the first cell shows it has run.
+    """
+    page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=120_000)
+    page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=120_000)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        page.click(".jp-Notebook .jp-Cell .jp-InputArea-prompt >> nth=0")
+        page.click(".lm-MenuBar-itemLabel:text-is('Run')")
+        page.click(".lm-Menu-item:not(.lm-mod-disabled) .lm-Menu-itemLabel:text-is('Run All Cells')")
+        try:
+            page.wait_for_function(
+                "() => [...document.querySelectorAll('.jp-InputArea-prompt')].some(p => /\\[(\\*|\\d+)\\]/.test(p.textContent))",
+                timeout=15_000,
+            )
+            return
+        except Exception:
+            page.keyboard.press("Escape")
+    raise AssertionError("JupyterLab never started running the notebook")
+
+
 def _dashboard_pictures(page) -> list[str]:
     return page.eval_on_selector_all("img.widget-image", "images => images.map(image => image.src)")
 
@@ -87,12 +112,13 @@ def test_dashboard_renders_and_changes_while_training(jupyterlab):
         try:
             page = browser.new_page(viewport={"width": 1400, "height": 1000})
             page.goto(jupyterlab)
-            page.wait_for_selector(".jp-Notebook", timeout=60_000)
-            page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=60_000)
-            page.click(".lm-MenuBar-itemLabel:text-is('Run')")
-            page.click(".lm-Menu-itemLabel:text-is('Run All Cells')")
-            # Attached, not visible: JupyterLab may keep cells outside the view unpainted.
-            page.wait_for_selector("img.widget-image", state="attached", timeout=180_000)
+            try:
+                _run_all_cells(page)
+                # Attached, not visible: JupyterLab may keep cells outside the view unpainted.
+                page.wait_for_selector("img.widget-image", state="attached", timeout=180_000)
+            except Exception:
+                page.screenshot(path=str(ARTIFACTS / "failure.png"))
+                raise
             page.locator("img.widget-image").first.scroll_into_view_if_needed()
             seen = set()
             deadline = time.monotonic() + 60

@@ -100,8 +100,8 @@ def test_background_dashboard_redraws_while_training(lab):
         while run.table.latest_step is None or run.table.latest_step < 5:
             time.sleep(0.05)
         first_draws, first_picture = run.dashboard.draws, run.dashboard.image.value
-        time.sleep(1.5)
-        assert run.dashboard.draws >= first_draws + 2  # at least twice a second
+        time.sleep(2.0)
+        assert run.dashboard.draws >= first_draws + 4  # at least twice a second
         assert run.dashboard.image.value != first_picture
         assert "samples/s" in run.dashboard.header.value
     finally:
