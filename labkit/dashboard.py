@@ -4,11 +4,12 @@ The figure is made once (Agg canvas, no pyplot, so any thread may draw it) with
 four panels: throughput per rank and in total; each rank's step split into
 compute and exposed communication; communication time and bytes by collective;
 the loss. Injected slowdowns are marked on the time axes, flagged stragglers in
-red. ``update`` only moves data into existing artists and re-renders to PNG, at
-most ``max_rate`` times a second; the PNG goes into an ``ipywidgets.Image``.
+red. ``update`` only moves data into existing artists and re-renders the image, at
+most ``max_rate`` times a second; the picture goes into an ``ipywidgets.Image``.
 
-When the run ends, ``finish`` writes the last picture into a plain display
-output too, so an executed or exported notebook keeps it without widgets.
+Live frames are JPEG (cheap to encode); when the run ends, ``finish`` writes
+the last picture as PNG into a plain display output too, so an executed or
+exported notebook keeps it without widgets.
 """
 
 from __future__ import annotations
@@ -46,22 +47,28 @@ def _grow(value: float, factor: float) -> float:
     return limit
 
 
-def _encode_png(canvas) -> bytes:
-    """The drawn canvas as PNG, compressed lightly: encoding is most of a redraw's cost otherwise."""
+def _encode(canvas, image_format: str) -> bytes:
+    """The drawn canvas as JPEG (live frames: a third of PNG's encoding time) or PNG (the final picture)."""
     from PIL import Image as PILImage
 
     width, height = canvas.get_width_height()
     picture = PILImage.frombuffer("RGBA", (width, height), canvas.buffer_rgba(), "raw", "RGBA", 0, 1)
     buffer = io.BytesIO()
-    picture.convert("RGB").save(buffer, format="PNG", compress_level=1)
+    if image_format == "JPEG":
+        picture.convert("RGB").save(buffer, format="JPEG", quality=85)
+    else:
+        picture.convert("RGB").save(buffer, format="PNG", compress_level=6)
     return buffer.getvalue()
 
 
 class Dashboard:
     """Draws a ``MetricsTable``; shows a Stop button when the run can be stopped from here."""
 
-    def __init__(self, table: MetricsTable, title: str, on_stop=None, max_rate: float = 3.0) -> None:
+    def __init__(self, table: MetricsTable, title: str, on_stop=None, max_rate: float = 3.0,
+                 planned_steps: int | None = None) -> None:
         self.table = table
+        # A known length fixes the step axis from the start: fewer full redraws.
+        self.planned_steps = planned_steps if planned_steps and planned_steps <= 20_000 else None
         self.title = title
         self.min_interval = 1.0 / max_rate
         self.draws = 0
@@ -69,7 +76,7 @@ class Dashboard:
         self._last_draw = 0.0
         self._lock = threading.Lock()
         self.header = widgets.HTML(value=f"<b>{title}</b>: starting")
-        self.image = widgets.Image(format="png", layout=widgets.Layout(width="760px"))
+        self.image = widgets.Image(format="jpeg", layout=widgets.Layout(width="760px"))
         self.stop_button = widgets.Button(description="Stop", button_style="danger", icon="stop")
         self.stop_button.layout.display = "" if on_stop else "none"
         if on_stop:
@@ -121,11 +128,10 @@ class Dashboard:
                                              animated=True)
         self._split.set_title("step time per rank, ms (recent mean)", fontsize=10)
         self._split.set_xticks(ranks)
-        # Drawn after the bars each frame, so they never cover it.
-        self._split_legend = self._split.legend(
+        # Above the bars (the y range keeps room for it): part of the background, never redrawn.
+        self._split.legend(
             handles=[Patch(color=COMPUTE, label="compute"), Patch(color=WAITING, label="exposed communication")],
-            fontsize=7, loc="upper right", framealpha=0.9)
-        self._split_legend.set_animated(True)
+            fontsize=7, loc="upper center", ncol=2, frameon=False)
         self._straggler_marks = [
             self._split.text(rank, 0, "straggler", ha="center", va="bottom", fontsize=8, color="#cc3311",
                              animated=True, visible=False)
@@ -198,7 +204,6 @@ class Dashboard:
             mark.set_visible(rank in flagged)
             for artist in (compute_bar, waiting_bar, mark):
                 self._split.draw_artist(artist)
-        self._split.draw_artist(self._split_legend)
         for bar, label, (seconds, size) in zip(self._kind_bars, self._kind_labels, kinds.values()):
             bar.set_width(seconds * 1000)
             label.set_position((seconds * 1000, label.get_position()[1]))
@@ -207,17 +212,17 @@ class Dashboard:
             self._collectives.draw_artist(label)
         self._loss_line.set_data(loss_steps, losses)
         self._loss.draw_artist(self._loss_line)
-        return _encode_png(self.figure.canvas)
+        return _encode(self.figure.canvas, "JPEG")
 
     def _wanted_limits(self, rates, shares, kinds, losses) -> tuple:
         """Axis ranges, grown in coarse jumps so the background is seldom redrawn."""
         last_step = max([steps[-1] for steps, _ in rates.values() if steps] + [1])
         top_rate = max([max(values) for _, values in rates.values() if values] + [1.0])
-        top_split = max([sum(pair) * 1000 for pair in shares.values()] + [1.0]) * 1.3  # room for the legend
+        top_split = max([sum(pair) * 1000 for pair in shares.values()] + [1.0]) * 1.25  # room for the legend
         top_comm = max([seconds * 1000 for seconds, _ in kinds.values()] + [1.0])
         top_loss = max(losses + [1e-3])
-        return (_grow(last_step + 1, 2.0), _grow(top_rate, 1.5), _grow(top_split, 1.5), _grow(top_comm, 1.5),
-                _grow(top_loss, 1.5))
+        steps = self.planned_steps or _grow(last_step + 1, 2.0)
+        return (steps, _grow(top_rate, 1.5), _grow(top_split, 1.5), _grow(top_comm, 1.5), _grow(top_loss, 1.5))
 
     def _apply_limits(self, limits: tuple) -> None:
         self._limits = limits
@@ -259,5 +264,5 @@ class Dashboard:
         self.stop_button.description = "Done"
         if self._final is not None:
             # Same (empty) text as the placeholder: only the picture differs from run to run.
-            picture = base64.b64encode(self.image.value).decode("ascii")
+            picture = base64.b64encode(_encode(self.figure.canvas, "PNG")).decode("ascii")
             self._final.update({"image/png": picture, "text/plain": ""}, raw=True)

@@ -39,7 +39,9 @@ class TrainingRun:
         peers = {rank: (mesh.coordinate(rank)[stage] if stage is not None else 0) for rank in range(lab.world_size)}
         self.table = MetricsTable(lab.world_size, config.global_batch, peers, threshold=straggler_threshold)
         self.dashboard = (
-            Dashboard(self.table, config.describe(), on_stop=self.stop if background else None) if dashboard else None
+            Dashboard(self.table, config.describe(), on_stop=self.stop if background else None,
+                      planned_steps=config.steps)
+            if dashboard else None
         )
         self.report: TrainReport | None = None
         self.error: BaseException | None = None
