@@ -155,23 +155,22 @@ class Dashboard:
         with self._lock:
             self._last_draw = now
             began = time.perf_counter()
-            self.image.value = self._render()
+            flagged = self.table.flagged()  # derived once per redraw, for the picture and the header
+            self.image.value = self._render(set(flagged))
             self.render_seconds += time.perf_counter() - began
-            self.header.value = f"<b>{self.title}</b>: {status or self._status()}"
+            self.header.value = f"<b>{self.title}</b>: {status or self._status(flagged)}"
             self.draws += 1
         return True
 
-    def _status(self) -> str:
+    def _status(self, flagged: list[int]) -> str:
         step = self.table.latest_step
         if step is None:
             return "waiting for the first step"
-        flagged = self.table.flagged()
         stragglers = f"; <span style='color:#cc3311'>straggler: rank {', '.join(map(str, flagged))}</span>" if flagged else ""
         return f"step {step + 1}, {self.table.total_throughput():,.0f} samples/s in total{stragglers}"
 
-    def _render(self) -> bytes:
+    def _render(self, flagged: set[int]) -> bytes:
         table = self.table
-        flagged = set(table.flagged())
         rates = {rank: table.throughput(rank) for rank in self._rate_lines}
         shares = table.split()
         kinds = table.by_collective()

@@ -48,7 +48,7 @@ RANK_MODULES = (
     "pydoc",
     "labkit.rank_runtime",
 )
-CONTROLLER_MODULES = ("ipyparallel.controller.app",)
+CONTROLLER_MODULE = "ipyparallel.controller.app"
 TERMINATE_GRACE_SECONDS = 3.0
 
 
@@ -203,7 +203,7 @@ class _Host:
         return line.decode() + "\n"
 
     def serve(self) -> None:
-        __import__(CONTROLLER_MODULES[0])
+        __import__(CONTROLLER_MODULE)
         # A controller request sent right after start is served before the
         # slow rank imports, so the controller boots while torch loads.
         line = self.pending_request(0.05)

@@ -115,8 +115,8 @@ def train(config: TrainConfig, context=None) -> dict:
     optimizer = make_optimizer(parallel.module.parameters(), config)
     reporter = parallel.owns_loss and all(index == 0 for name, index in coordinate.items() if name != "pp")
     recorder = runtime.recorder
-    recorder.timeline.clear()  # the timeline shows this run only
-    first_row = len(recorder.rows)
+    recorder.rows.clear()  # rows and timeline describe this run only
+    recorder.timeline.clear()
     control = ControlChannel(runtime.control_path if config.instruments else None, runtime.rank)
     publisher = Publisher(recorder) if config.instruments else None
     samples = config.global_batch // config.axis("dp")
@@ -153,7 +153,7 @@ def train(config: TrainConfig, context=None) -> dict:
         "step_seconds": step_seconds,
         "steps_done": len(step_seconds),
         "memory": memory_bytes(parallel.module, optimizer),
-        "rows": list(recorder.rows)[first_row:],
+        "rows": list(recorder.rows),
         "timeline": list(recorder.timeline) if config.instruments else [],
     }
     if config.verify:

@@ -45,7 +45,6 @@ class TrainingRun:
         )
         self.report: TrainReport | None = None
         self.error: BaseException | None = None
-        self.stop_requested = False
         self._done = threading.Event()
         self._work: RankWork | None = None
 
@@ -118,7 +117,6 @@ class TrainingRun:
     def stop(self) -> None:
         """Ask every rank to stop after the step it is in (they agree on which)."""
         if not self._done.is_set():
-            self.stop_requested = True
             self.lab._write_control(stop=True)
 
     @property
