@@ -14,7 +14,7 @@ from .train_config import TrainConfig, format_bytes, resolve
 
 # Strategies a refusal may suggest; settings that only mean something to the original are dropped.
 SHARDING_ALTERNATIVES = ("fsdp", "tp", "pp")
-_NOT_CARRIED = ("strategy", "mesh_names", "mesh_shape", "max_memory", "sequence_parallel")
+_NOT_CARRIED = ("strategy", "mesh_names", "mesh_shape", "mesh_reason", "max_memory", "sequence_parallel")
 
 
 class MemoryBudgetError(LabError):

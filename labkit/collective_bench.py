@@ -5,8 +5,11 @@ algorithm bandwidth is S / t, and bus bandwidth scales it by what each rank
 must move over its links in the usual ring algorithm, so that numbers compare
 across rank counts: 2(n-1)/n for all-reduce, (n-1)/n for all-gather and
 reduce-scatter (S being the whole gathered or scattered buffer), 1 for
-broadcast. Beside them, the machine's memory-copy bandwidth: on one machine the
-transport is memory, so that is the ceiling.
+broadcast. Beside them, the copy bandwidth of the ranks' device: host memory for
+CPU ranks (on one machine gloo's transport is memory, so that is the ceiling),
+device-to-device for GPU ranks. On GPUs the messages live on the rank's device
+and the timing waits for the device (``torch.cuda.synchronize``) before reading
+the clock, since a collective returns before the GPU has run it.
 
 ``measure`` runs on the ranks (on the default process group, uninstrumented);
 ``CollectiveBench`` is the notebook's table and picture.
@@ -28,17 +31,31 @@ BUS_FACTOR = {
 DEFAULT_SIZES = tuple(2**power for power in range(10, 25, 2))  # 1 KiB .. 16 MiB
 
 
+def _rank_device():
+    from .rank_runtime import this_rank
+
+    return this_rank().device
+
+
+def _synchronize(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def measure(operation: str, sizes, iterations: int, warmup: int) -> list[float]:
-    """Rank side: seconds per operation for each size (this rank's view)."""
+    """Rank side: seconds per operation for each size (this rank's view), on the rank's device."""
     import torch
     import torch.distributed as dist
 
+    device = _rank_device()
     world = dist.get_world_size()
     results = []
     for size in sizes:
         count = max(world, size // 4) // world * world  # float32 elements, divisible by the world
-        whole = torch.ones(count)
-        part = torch.ones(count // world)
+        whole = torch.ones(count, device=device)
+        part = torch.ones(count // world, device=device)
         run = {
             "all_reduce": lambda: dist.all_reduce(whole),
             "all_gather": lambda: dist.all_gather_into_tensor(whole, part),
@@ -47,24 +64,29 @@ def measure(operation: str, sizes, iterations: int, warmup: int) -> list[float]:
         }[operation]
         for _ in range(warmup):
             run()
+        _synchronize(device)
         dist.barrier()
         began = time.perf_counter()
         for _ in range(iterations):
             run()
+        _synchronize(device)
         results.append((time.perf_counter() - began) / iterations)
     return results
 
 
 def memcpy_bandwidth(size: int = 64 * 2**20, repeats: int = 10) -> float:
-    """Bytes per second of a large tensor copy in one process (read and write of ``size`` bytes)."""
+    """Bytes per second of a large tensor copy on the rank's device (read and write of ``size`` bytes)."""
     import torch
 
-    source, target = torch.ones(size // 4), torch.empty(size // 4)
+    device = _rank_device()
+    source, target = torch.ones(size // 4, device=device), torch.empty(size // 4, device=device)
     target.copy_(source)
     times = []
     for _ in range(repeats):
+        _synchronize(device)
         began = time.perf_counter()
         target.copy_(source)
+        _synchronize(device)
         times.append(time.perf_counter() - began)
     return size / statistics.median(times)
 
@@ -72,8 +94,11 @@ def memcpy_bandwidth(size: int = 64 * 2**20, repeats: int = 10) -> float:
 class CollectiveBench:
     """One operation over sizes: the slowest rank's time per size, bandwidths, and a picture."""
 
-    def __init__(self, operation: str, world_size: int, sizes, per_rank: list[list[float]], memcpy: float) -> None:
+    def __init__(self, operation: str, world_size: int, sizes, per_rank: list[list[float]], memcpy: float,
+                 device_type: str = "cpu") -> None:
         self.operation = operation
+        self.device_type = device_type
+        self.ceiling_name = "device-to-device copy on the GPU" if device_type == "cuda" else "memory copy on this machine"
         self.world_size = world_size
         self.sizes = list(sizes)
         self.seconds = [max(times[i] for times in per_rank) for i in range(len(self.sizes))]
@@ -92,7 +117,7 @@ class CollectiveBench:
         ]
         for size, seconds, algbw, busbw in self.rows():
             lines.append(f"{_size(size):>10}  {seconds * 1e6:>8.0f} us  {algbw / 1e9:>6.3f} GB/s  {busbw / 1e9:>6.3f} GB/s")
-        lines.append(f"memory copy on this machine: {self.memcpy / 1e9:.1f} GB/s")
+        lines.append(f"{self.ceiling_name}: {self.memcpy / 1e9:.1f} GB/s")
         return "\n".join(lines)
 
     def _repr_pretty_(self, printer, cycle) -> None:
@@ -107,7 +132,7 @@ class CollectiveBench:
         axes = figure.subplots()
         axes.plot(self.sizes, [b / 1e9 for b in self.algbw], marker="o", label="algorithm bandwidth")
         axes.plot(self.sizes, [b / 1e9 for b in self.busbw], marker="s", label="bus bandwidth")
-        axes.axhline(self.memcpy / 1e9, color="#555555", linestyle="--", label="memory copy (ceiling)")
+        axes.axhline(self.memcpy / 1e9, color="#555555", linestyle="--", label=f"{self.ceiling_name} (ceiling)")
         axes.set_xscale("log", base=2)
         axes.set_yscale("log")
         axes.set_xlabel("message size (bytes)")
@@ -139,7 +164,7 @@ def run_benchmark(lab, operation: str, sizes, iterations: int | None, warmup: in
         by_size.append(lab.run(measure, name, [size], count, warmup, timeout=timeout))
     per_rank = [[by_size[i][rank][0] for i in range(len(sizes))] for rank in range(lab.world_size)]
     memcpy = lab._call_entry([0], memcpy_bandwidth, (), timeout)[0]
-    return CollectiveBench(name, lab.world_size, sizes, per_rank, memcpy)
+    return CollectiveBench(name, lab.world_size, sizes, per_rank, memcpy, lab.plan.device_type)
 
 
 def _size(size: int) -> str:

@@ -7,6 +7,11 @@ the loss. Injected slowdowns are marked on the time axes, flagged stragglers in
 red. ``update`` only moves data into existing artists and re-renders the image, at
 most ``max_rate`` times a second; the picture goes into an ``ipywidgets.Image``.
 
+The step axis follows the run (``step_range``): it grows in doublings while the
+run is young, then becomes a window of the last few hundred steps that moves
+in quarter-window jumps, so the present always fills the plot and the
+background is redrawn only at those jumps. Only the visible steps are drawn.
+
 Live frames are JPEG (cheap to encode); when the run ends, ``finish`` writes
 the last picture as PNG into a plain display output too, so an executed or
 exported notebook keeps it without widgets.
@@ -15,6 +20,7 @@ exported notebook keeps it without widgets.
 from __future__ import annotations
 
 import base64
+import bisect
 import io
 import threading
 import time
@@ -31,6 +37,11 @@ from .metrics import MetricsTable
 from .rank_output import in_kernel
 from .train_config import format_bytes
 
+# The step axis never spans more than this many steps; it moves a quarter of it at a time.
+WINDOW_STEPS = 256
+# A young run's axis starts this wide, so its first frames do not redraw the background each step.
+FIRST_STEPS = 16
+
 RANK_COLOURS = ("#4477aa", "#ee6677", "#228833", "#ccbb44", "#66ccee", "#aa3377", "#bbbbbb", "#000000")
 COMPUTE, WAITING = "#4477aa", "#ee9944"
 
@@ -45,6 +56,38 @@ def _grow(value: float, factor: float) -> float:
     while limit < value:
         limit *= factor
     return limit
+
+
+def step_range(latest: int, planned_steps: int | None = None, window: int = WINDOW_STEPS) -> tuple[int, int]:
+    """The step axis' (first, last) for a run whose newest step is ``latest``.
+
+    While the run fits in half a window the axis starts at 0 and doubles as the
+    run outgrows it. Later it shows ``window`` steps and jumps a quarter window
+    forward whenever the newest step passes three quarters of it, so the newest
+    step stays in the right half with room ahead, and the axes are redrawn only
+    at the jumps. A run planned to fit in one window never slides: its axis
+    grows up to its planned last step. A longer one's axis stops at its planned end.
+    """
+    grown = FIRST_STEPS
+    while grown < latest + 1:
+        grown *= 2
+    if planned_steps and planned_steps <= window:
+        return 0, max(min(grown, planned_steps), latest + 1)
+    if latest + 1 <= window // 2:
+        return 0, grown
+    jump = window // 4
+    first = max(0, (latest - window // 2) // jump * jump)
+    last = first + window
+    if planned_steps:
+        last = max(min(last, planned_steps), latest + 1)
+    return first, last
+
+
+def _within(step_span: tuple[int, int], steps: list[int], values: list[float]) -> tuple[list[int], list[float]]:
+    """The part of a step series (steps ascending) that falls on the visible axis."""
+    start = bisect.bisect_left(steps, step_span[0])
+    stop = bisect.bisect_right(steps, step_span[1])
+    return steps[start:stop], values[start:stop]
 
 
 def _encode(canvas, image_format: str) -> bytes:
@@ -67,8 +110,8 @@ class Dashboard:
     def __init__(self, table: MetricsTable, title: str, on_stop=None, max_rate: float = 3.0,
                  planned_steps: int | None = None) -> None:
         self.table = table
-        # A known length fixes the step axis from the start: fewer full redraws.
-        self.planned_steps = planned_steps if planned_steps and planned_steps <= 20_000 else None
+        # A known length lets a short run be shown whole and a long one's axis end at its last step.
+        self.planned_steps = planned_steps if planned_steps and planned_steps > 0 else None
         self.title = title
         self.min_interval = 1.0 / max_rate
         self.draws = 0
@@ -171,17 +214,22 @@ class Dashboard:
 
     def _render(self, flagged: set[int]) -> bytes:
         table = self.table
-        rates = {rank: table.throughput(rank) for rank in self._rate_lines}
+        # A rank's last WINDOW_STEPS rows reach back at least as far as the axis does.
+        rates = {rank: table.throughput(rank, last=WINDOW_STEPS) for rank in self._rate_lines}
+        latest = max([steps[-1] for steps, _ in rates.values() if steps] + [0])
+        step_span = step_range(latest, self.planned_steps)
+        # Only what is visible is drawn (and sets the value ranges): a frame costs the same at any step.
+        rates = {rank: _within(step_span, *series) for rank, series in rates.items()}
+        loss_steps, losses = _within(step_span, *table.loss())
         shares = table.split()
         kinds = table.by_collective()
-        loss_steps, losses = table.loss()
         for event in table.slow_events():
             if event not in self._marked_events:
                 self._mark(event)
                 self._background = None
         if tuple(kinds) != self._kinds:
             self._lay_out_collectives(kinds)
-        limits = self._wanted_limits(rates, shares, kinds, losses)
+        limits = self._wanted_limits(step_span, rates, shares, kinds, losses)
         if self._background is None or limits != self._limits:
             self._apply_limits(limits)
             self.figure.canvas.draw()  # the background: everything not animated
@@ -213,22 +261,20 @@ class Dashboard:
         self._loss.draw_artist(self._loss_line)
         return _encode(self.figure.canvas, "JPEG")
 
-    def _wanted_limits(self, rates, shares, kinds, losses) -> tuple:
-        """Axis ranges, grown in coarse jumps so the background is seldom redrawn."""
-        last_step = max([steps[-1] for steps, _ in rates.values() if steps] + [1])
+    def _wanted_limits(self, step_span, rates, shares, kinds, losses) -> tuple:
+        """Axis ranges, changed in coarse jumps so the background is seldom redrawn."""
         top_rate = max([max(values) for _, values in rates.values() if values] + [1.0])
         top_split = max([sum(pair) * 1000 for pair in shares.values()] + [1.0]) * 1.25  # room for the legend
         top_comm = max([seconds * 1000 for seconds, _ in kinds.values()] + [1.0])
         top_loss = max(losses + [1e-3])
-        steps = self.planned_steps or _grow(last_step + 1, 2.0)
-        return (steps, _grow(top_rate, 1.5), _grow(top_split, 1.5), _grow(top_comm, 1.5), _grow(top_loss, 1.5))
+        return (step_span, _grow(top_rate, 1.5), _grow(top_split, 1.5), _grow(top_comm, 1.5), _grow(top_loss, 1.5))
 
     def _apply_limits(self, limits: tuple) -> None:
         self._limits = limits
         steps, rate, split, comm, loss = limits
-        self._throughput.set_xlim(0, steps)
+        self._throughput.set_xlim(*steps)
         self._throughput.set_ylim(0, rate)
-        self._loss.set_xlim(0, steps)
+        self._loss.set_xlim(*steps)
         self._loss.set_ylim(0, loss)
         self._split.set_ylim(0, split)
         self._split.set_xlim(-0.6, len(self._rate_lines) - 0.4)
@@ -251,10 +297,14 @@ class Dashboard:
         rank, step, delay = event
         self._marked_events.add(event)
         text = f"rank {rank} +{delay * 1000:.0f} ms" if delay else f"rank {rank} back to normal"
+        # In data coordinates: when the step window moves, the marks move with it
+        # (the lines are clipped to the axes once their step has scrolled out).
         for axes in (self._throughput, self._loss):
             axes.axvline(step, color=_colour(rank), linestyle="--", linewidth=1)
+        # Clipped explicitly: with mixed coordinates matplotlib would draw the label
+        # of a step scrolled out of view beside the axes, over the neighbouring panel.
         self._throughput.annotate(text, (step, 0.02), xycoords=("data", "axes fraction"), rotation=90,
-                                  fontsize=7, va="bottom", ha="right", color=_colour(rank))
+                                  fontsize=7, va="bottom", ha="right", color=_colour(rank), annotation_clip=True)
 
     def finish(self, status: str) -> None:
         """Last redraw; leave the final picture as a plain image output as well."""

@@ -68,6 +68,11 @@ def loopback_interface() -> str:
     return "lo"
 
 
+def _count(number: int, noun: str) -> str:
+    """'1 rank', '2 ranks': the refusal is read by people, so it should read right."""
+    return f"{number} {noun}" if number == 1 else f"{number} {noun}s"
+
+
 def plan_ranks(
     ranks: int,
     backend: str | None = None,
@@ -99,8 +104,8 @@ def plan_ranks(
             )
         if ranks > len(gpus):
             raise DeviceError(
-                f"nccl runs one rank per GPU: {ranks} ranks asked, {len(gpus)} GPU(s) visible "
-                f"({', '.join(gpus)}); ask for at most {len(gpus)} ranks, or use backend='gloo'"
+                f"nccl runs one rank per GPU: {ranks} ranks asked, {_count(len(gpus), 'GPU')} visible "
+                f"({', '.join(gpus)}); ask for at most {_count(len(gpus), 'rank')}, or use backend='gloo'"
             )
     cpu_count = cpu_count or os.cpu_count() or 1
     if threads_per_rank is None:

@@ -4,6 +4,8 @@ Rank reports are the plain dicts ``rank_runtime`` returns. A failure is grouped 
 that the cause stands first: ranks that raised (one traceback per distinct
 traceback), then ranks that hung and were interrupted, then ranks that only
 failed because a peer did (released from a collective), each with a line.
+The one-line summary names each distinct error with the first line of its
+message, so the cause can be read without scrolling to the tracebacks.
 """
 
 from __future__ import annotations
@@ -60,6 +62,42 @@ def _plain_message(text: str) -> str:
     text = re.sub(r"^\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", _last_line(text))
     text = re.sub(r"\[[0-9a-fA-F.:]+\]:\d+", "[peer]", text)
     return text.split(". ")[0].rstrip(".")
+
+
+# A summary is one line; a message longer than this is cut ("..." shows where).
+SUMMARY_MESSAGE_CHARS = 200
+# Past this many distinct messages the summary only names the ranks; the tracebacks say the rest.
+SUMMARY_MESSAGES = 3
+
+
+def _headline(message: str) -> str:
+    """The first non-empty line of an error message, shortened to fit a one-line summary."""
+    lines = [line.strip() for line in (message or "").splitlines() if line.strip()]
+    if not lines:
+        return ""
+    line = lines[0]
+    if len(line) > SUMMARY_MESSAGE_CHARS:
+        line = line[: SUMMARY_MESSAGE_CHARS - 3].rstrip() + "..."
+    return line
+
+
+def _raised_parts(raised: dict[int, dict]) -> list[str]:
+    """'ranks 0, 2 raised ValueError: boom' per distinct (type, first line), in rank order."""
+    by_cause = defaultdict(list)
+    for rank, error in raised.items():
+        by_cause[(error["type"], _headline(error.get("message", "")))].append(rank)
+    shown = list(by_cause.items())[:SUMMARY_MESSAGES]
+    # Ranks that each word their error differently (a rank number in it) would
+    # make the summary a paragraph: beyond a few, fold them into one part per type.
+    folded = defaultdict(list)
+    for (error_type, _), ranks in list(by_cause.items())[SUMMARY_MESSAGES:]:
+        folded[error_type].extend(ranks)
+    parts = [
+        f"{format_ranks(ranks)} raised {error_type}" + (f": {headline}" if headline else "")
+        for (error_type, headline), ranks in shown
+    ]
+    parts += [f"{format_ranks(ranks)} raised {error_type} (other messages)" for error_type, ranks in folded.items()]
+    return parts
 
 
 def _were(ranks) -> str:
@@ -121,12 +159,7 @@ class RankFailure(LabError):
         return sorted(rank for rank, report in self.reports.items() if not report.get("ok"))
 
     def summary(self) -> str:
-        parts = []
-        by_type = defaultdict(list)
-        for rank, error in self.raised.items():
-            by_type[error["type"]].append(rank)
-        for error_type, ranks in by_type.items():
-            parts.append(f"{format_ranks(ranks)} raised {error_type}")
+        parts = _raised_parts(self.raised)
         if self.died:
             parts.append(f"{format_ranks(self.died)} died (process exited)")
         if self.hung:

@@ -22,12 +22,13 @@ collective's issue and completion, and the main thread's busy fraction between
 consecutive moments it was sampled.
 
 The CPU-clock method assumes the rank blocks only on communication (the zoo's
-data is generated in memory); on GPUs the step would also wait for kernels,
-which this does not see.
+data is generated in memory). GPU ranks use ``gpu_instruments.CudaStepRecorder``
+instead, which makes the same rows from CUDA events; ``recorder_for`` picks one.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
@@ -63,8 +64,29 @@ class MainThreadClock:
             self._schedstat = None
 
 
+def recorder_for(rank: int, device):
+    """The step recorder that can see this rank's work: CPU clocks, or CUDA events on a GPU."""
+    if getattr(device, "type", "cpu") == "cuda":
+        from .gpu_instruments import CudaStepRecorder
+
+        return CudaStepRecorder(rank, device)
+    return StepRecorder(rank)
+
+
+def newest_rows(rows: deque, count: int) -> list[dict]:
+    """The last ``count`` rows, without copying the whole buffer (this runs a few times a second)."""
+    return list(itertools.islice(reversed(rows), count))[::-1]
+
+
 class StepRecorder:
-    """Rows of per-step measurements; ``sink`` receives collectives from TimedGroups."""
+    """Rows of per-step measurements from CPU clocks; TimedGroups report collectives to it.
+
+    The interface a TimedGroup and the loop use (``issued``, ``completed``,
+    ``waiting``, ``begin_step``, ``end_step``, ``finish``, ``clear``) is shared
+    with ``gpu_instruments.CudaStepRecorder``.
+    """
+
+    watches_waits = False  # the CPU clocks see a blocked thread without help
 
     def __init__(self, rank: int) -> None:
         self.rank = rank
@@ -81,17 +103,31 @@ class StepRecorder:
 
     paused = False  # True while labkit's own bookkeeping talks (progress lines): not the model's traffic
 
-    def sink(self, kind: str, nbytes: int, issued: float, completed: float) -> None:
+    def issued(self, device_type: str = "cpu") -> float:
+        """A collective is being issued: note the main thread's busy time; return the issue time."""
+        self._issued += 1
+        now = time.perf_counter()
+        self._samples.append((now, self.clock.busy()))
+        return now
+
+    def completed(self, kind: str, nbytes: int, issued: float) -> None:
+        """A collective issued at ``issued`` has completed (called from any thread)."""
+        completed = time.perf_counter()
         self._completed += 1
         if self.paused:
             return
         self._events.append((kind, nbytes, issued, completed))
         self._samples.append((completed, self.clock.busy()))
 
-    def sample(self) -> None:
-        """Note the main thread's busy time now (a collective is being issued)."""
-        self._issued += 1
-        self._samples.append((time.perf_counter(), self.clock.busy()))
+    def waiting(self):
+        return contextlib.nullcontext()
+
+    def clear(self) -> None:
+        self.rows.clear()
+        self.timeline.clear()
+
+    def finish(self) -> None:
+        """Nothing is pending: CPU rows are complete when the step ends."""
 
     def _settle(self, limit: float = 0.005) -> None:
         """Let completion callbacks of collectives the step already waited for land in this step.
@@ -137,7 +173,7 @@ class StepRecorder:
             "bytes": sent,
             "samples": samples,
             "tokens": tokens,
-            "loss": loss,
+            "loss": None if loss is None else float(loss),
             "delay": delay,
         }
         self.rows.append(row)
@@ -163,8 +199,7 @@ class StepRecorder:
         }
 
     def newest(self, count: int) -> list[dict]:
-        """The last ``count`` rows, without copying the whole buffer (this runs a few times a second)."""
-        return list(itertools.islice(reversed(self.rows), count))[::-1]
+        return newest_rows(self.rows, count)
 
 
 class ControlChannel:

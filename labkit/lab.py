@@ -325,20 +325,21 @@ class Lab:
 
         strategy: ddp, fsdp, tp, pp, or a composition such as fsdp+tp, ddp+pp, pp+tp.
         model: 'mlp' or 'gpt' (``model_settings=dict(dim=128, layers=8)`` resizes it).
-        mesh: axis sizes for a composition, e.g. ``dict(dp=2, tp=2)``.
+        mesh: axis sizes for a composition, e.g. ``dict(dp=2, tp=2)`` (default: the
+        lab's mesh when its axes fit, else the most even split that fits; it says which).
         dashboard: draw throughput, compute/communication, collectives, loss and
-        stragglers live. background: return a ``TrainingRun`` at once (the
-        notebook stays free; ``run.wait()`` gives the report, ``run.stop()`` or the
-        Stop button ends it at a step boundary); otherwise block and return the
-        ``TrainReport`` (interrupting the kernel stops at a step boundary too).
+        stragglers live. background: return a ``TrainingRun`` at once (``run.wait()``
+        gives the report; ``run.stop()`` or the Stop button ends it at a step
+        boundary); otherwise block and return the ``TrainReport``.
         straggler_threshold: busy time against the median of like ranks that flags one.
-        settings: global_batch, micro_batches (gradient accumulation; pipeline
-        microbatches under pp), lr, optimizer ('adamw' or 'sgd'), seed,
+        settings: global_batch, micro_batches (accumulation; pipeline microbatches,
+        by default one per stage), lr, optimizer ('adamw' or 'sgd'), seed,
         bucket_cap_mb (ddp), reshard_after_forward (fsdp), sequence_parallel (tp),
-        schedule ('gpipe' or '1f1b'), max_memory (e.g. '64MB': refuse a run whose
-        parameters, gradients and optimizer state exceed it on any rank), verify
-        (compare with single-process training), log_every, instruments (False:
-        measure nothing, for comparison).
+        schedule ('gpipe' or '1f1b'), max_memory (e.g. '64MB' per rank for
+        parameters, gradients and optimizer state), verify (compare with
+        single-process training, float32 only), log_every, instruments (False:
+        measure nothing), precision ('fp32' or 'bf16'), tf32 (NVIDIA GPUs),
+        peak_tflops (one device's peak, for MFU where the lab knows none).
         Everything is checked before any rank does work.
         """
         run = launch_training(self, dict(strategy=strategy, model=model, steps=steps, **settings), mesh,

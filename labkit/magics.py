@@ -119,7 +119,8 @@ def _build_parsers():
     train.add_argument("--steps", type=int, default=20)
     train.add_argument("--mesh", help="axis sizes for a composition, e.g. dp=2,tp=2")
     train.add_argument("--batch", type=int, dest="global_batch", default=32, help="global batch (samples per step)")
-    train.add_argument("--micro-batches", type=int, default=1, help="accumulation steps; pipeline microbatches")
+    train.add_argument("--micro-batches", type=int, default=None,
+                       help="accumulation steps; pipeline microbatches (default: the number of stages under pp, else 1)")
     train.add_argument("--lr", type=float, default=1e-3)
     train.add_argument("--optimizer", default="adamw", choices=("adamw", "sgd"))
     train.add_argument("--seed", type=int, default=0)
@@ -129,6 +130,10 @@ def _build_parsers():
     train.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b"))
     train.add_argument("--max-memory", help="per-rank budget for params + grads + optimizer state, e.g. 64MB")
     train.add_argument("--verify", action="store_true", help="compare with single-process training")
+    train.add_argument("--precision", default="fp32", choices=("fp32", "bf16"),
+                       help="bf16: autocast (FSDP: its mixed-precision policy); fp32 keeps the equivalence proof")
+    train.add_argument("--tf32", action="store_true", help="TensorFloat-32 matrix products on NVIDIA GPUs")
+    train.add_argument("--peak-tflops", type=float, help="one device's peak TFLOP/s for MFU, where the lab has none")
     train.add_argument("--log-every", type=int, default=10)
     train.add_argument("--model-settings", type=_settings, default={}, help="e.g. dim=128,layers=8")
     train.add_argument("--timeout", type=_seconds)
@@ -164,6 +169,7 @@ class LabMagics(Magics):
         %lab start [N] [--backend gloo|nccl] [--timeout S] [--start-timeout S] [--threads K]
         %lab mesh name=size [name=size ...]     (one size may be -1)
         %lab train --strategy fsdp --model gpt --steps 50 [--mesh dp=2,tp=2] [--verify] [--max-memory 64MB]
+            [--precision bf16] [--tf32] [--peak-tflops T]
             [--dashboard]   (live dashboard, runs in the background; returns the run)
         %lab slow RANK 30ms | %lab slow RANK off      (a straggler on demand)
         %lab bench allreduce|all_gather|reduce_scatter|broadcast [--sizes 1KB:16MB] [--iters N]

@@ -1,4 +1,9 @@
-"""Settings of the zoo models, without torch: the notebook checks them before ranks build anything."""
+"""Settings of the zoo models, without torch: the notebook checks them before ranks build anything.
+
+Also what a model costs to train, counted from its settings: parameters, and
+model FLOPs per sample (the work the model needs, whatever the strategy; what
+model FLOPs utilisation divides by the device's peak).
+"""
 
 from __future__ import annotations
 
@@ -13,6 +18,15 @@ class MLPConfig:
     def layers(self) -> int:
         return len(self.dims) - 1
 
+    @property
+    def parameters(self) -> int:
+        return sum(fan_in * fan_out + fan_out for fan_in, fan_out in zip(self.dims, self.dims[1:]))
+
+    def training_flops_per_sample(self) -> int:
+        # A weight costs 2 FLOPs (multiply, add) per sample forward and 4 backward
+        # (the gradient of the input and of the weight): 6 per parameter.
+        return 6 * self.parameters
+
 
 @dataclass(frozen=True)
 class GPTConfig:
@@ -26,6 +40,23 @@ class GPTConfig:
     @property
     def head_dim(self) -> int:
         return self.dim // self.heads
+
+    @property
+    def parameters(self) -> int:
+        hidden = self.mlp_ratio * self.dim
+        block = 4 * self.dim * self.dim + 2 * self.dim * hidden + hidden + self.dim + 2 * 2 * self.dim
+        return (self.vocab + self.seq) * self.dim + self.layers * block + 2 * self.dim + self.dim * self.vocab
+
+    def training_flops_per_sample(self) -> int:
+        """6 per weight per token, plus attention's scores and weighted sum (PaLM, appendix B).
+
+        Position embeddings are a lookup, not a product, so they are left out;
+        attention adds 2 x 2 x seq x dim per layer and token forward, 3x that
+        forward and backward. Causal masking is not subtracted (the usual convention).
+        """
+        weights = self.parameters - self.seq * self.dim
+        per_token = 6 * weights + 12 * self.layers * self.dim * self.seq
+        return per_token * self.seq
 
 
 MODELS = {"mlp": MLPConfig, "gpt": GPTConfig}

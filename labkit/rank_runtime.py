@@ -29,7 +29,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .instruments import StepRecorder
+from .instruments import recorder_for
 from .timed_group import instrument_mesh
 
 RUNTIME_NAME = "__labkit__"
@@ -62,7 +62,7 @@ class RankRuntime:
         self.mesh = None
         self.mesh_spec: tuple[tuple[int, ...], tuple[str, ...]] | None = None
         self.meshes: dict = {}  # (shape, names) -> DeviceMesh of this process group
-        self.recorder = StepRecorder(self.rank)
+        self.recorder = recorder_for(self.rank, self.device)
         self.control_path = environ.get("LABKIT_CONTROL")
         self.last_run = None  # what the latest training run left: model, optimizer, rows
         self.cells_run = 0
@@ -100,6 +100,7 @@ class RankRuntime:
             "group_ready": dist.is_initialized(),
             "mesh": None if self.mesh_spec is None else [list(s) for s in self.mesh_spec],
             "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+            "device_name": device_name(self.device),
         }
 
     # -- process group ------------------------------------------------------
@@ -140,7 +141,7 @@ class RankRuntime:
                 timeout=timedelta(seconds=timeout_seconds),
             )
         dist.init_process_group(
-            self.backend,
+            process_group_backend(self.backend),
             store=dist.PrefixStore(f"gen{generation}", self.store),
             rank=self.rank,
             world_size=self.world_size,
@@ -188,7 +189,7 @@ class RankRuntime:
 
             mesh = init_device_mesh(self.device.type, key[0], mesh_dim_names=key[1])
             if instrumented:
-                instrument_mesh(mesh, self.recorder.sink, self.recorder.sample)
+                instrument_mesh(mesh, self.recorder)
             self.meshes[key] = mesh
         return self.meshes[key]
 
@@ -254,6 +255,23 @@ class RankRuntime:
             return report
         finally:
             signal.signal(signal.SIGINT, previous)
+
+
+def process_group_backend(backend: str) -> str:
+    """What ``init_process_group`` is given for the lab's backend.
+
+    nccl carries only CUDA tensors, but the lab's own traffic (agreeing to stop,
+    averaging the loss for a progress line, the verdict of a verification) is
+    small CPU tensors: gloo carries those beside nccl, in the same group.
+    """
+    return "cpu:gloo,cuda:nccl" if backend == "nccl" else backend
+
+
+def device_name(device: torch.device) -> str:
+    """'NVIDIA H200' for a GPU; 'cpu' otherwise."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return "cpu"
 
 
 def classify_error(error: BaseException) -> str:

@@ -13,13 +13,14 @@ same names, so everything built on the mesh afterwards is measured. Operations a
 TimedGroup does not override still work: the base class sends them to the real
 group's backend, untimed.
 
+On a GPU the times are CUDA events (see ``gpu_instruments``): the CPU only
+enqueues the work, so only the device's clock says when it ran.
+
 Bytes follow nccl-tests: the buffer an operation works on (the gathered output
 for all-gather, the full input for reduce-scatter).
 """
 
 from __future__ import annotations
-
-import time
 
 import torch
 import torch.distributed as dist
@@ -35,18 +36,34 @@ def _bytes(value) -> int:
     return 0
 
 
-class TimedWork(dist.Work):
-    """Wraps a real work handle so a blocking ``wait`` is timed too (send/recv have no future)."""
+def _device_type(value) -> str:
+    """'cuda' when the operation's tensors live on a GPU, else 'cpu'."""
+    if isinstance(value, torch.Tensor):
+        return value.device.type
+    if isinstance(value, (list, tuple)) and value:
+        return _device_type(value[0])
+    return "cpu"
 
-    def __init__(self, inner: dist.Work, on_wait) -> None:
+
+class TimedWork(dist.Work):
+    """Wraps a real work handle so its ``wait`` is seen by the recorder.
+
+    Send and receive have no future: their completion is noted when ``wait``
+    returns. On a GPU every work is wrapped, so that a wait of the compute
+    stream (``wait`` on CUDA makes the current stream wait) is bracketed.
+    """
+
+    def __init__(self, inner: dist.Work, recorder, on_done=None) -> None:
         super().__init__()
         self.inner = inner
-        self.on_wait = on_wait
+        self.recorder = recorder
+        self.on_done = on_done
 
     def wait(self, timeout=None) -> bool:
-        began = time.perf_counter()
-        result = self.inner.wait() if timeout is None else self.inner.wait(timeout)
-        self.on_wait(began, time.perf_counter())
+        with self.recorder.waiting():
+            result = self.inner.wait() if timeout is None else self.inner.wait(timeout)
+        if self.on_done is not None:
+            self.on_done()
         return result
 
     def is_completed(self) -> bool:
@@ -66,36 +83,41 @@ class TimedWork(dist.Work):
 
 
 class TimedGroup(dist.ProcessGroup):
-    """A process group that forwards every collective to ``inner`` and reports it to ``sink``.
+    """A process group that forwards every collective to ``inner`` and reports it to ``recorder``.
 
-    ``sink(kind, nbytes, issued, completed)`` is called once per operation, from
-    whichever thread saw it complete (times from ``time.perf_counter``);
-    ``on_issue()``, if given, when an operation is issued.
+    For each operation: ``token = recorder.issued(device_type)`` when it is
+    issued, ``recorder.completed(kind, nbytes, token)`` when it completes (from
+    the work's completion callback, or after ``wait`` for send/recv); waits go
+    through ``recorder.waiting()``. ``instruments.StepRecorder`` keeps CPU
+    times, ``gpu_instruments.CudaStepRecorder`` CUDA events.
     """
 
-    def __init__(self, inner: dist.ProcessGroup, sink, on_issue=None) -> None:
+    def __init__(self, inner: dist.ProcessGroup, recorder) -> None:
         super().__init__(inner.rank(), inner.size())
         self.inner = inner
-        self.sink = sink
-        self.on_issue = on_issue
+        self.recorder = recorder
+        # A group may have one backend per device type ("cpu:gloo,cuda:nccl"):
+        # register each under its own type, and make the GPU's the default.
+        default = None
         for device in inner._device_types:
             backend = inner._get_backend(device)
-            self._register_backend(device, _backend_type(inner), backend)
-        self._set_default_backend(_backend_type(inner))
+            self._register_backend(device, _backend_type(backend), backend)
+            if default is None or device.type == "cuda":
+                default = _backend_type(backend)
+        self._set_default_backend(default if default is not None else _backend_type(inner))
 
     # -- bookkeeping ------------------------------------------------------
 
-    def _issue(self, kind: str, nbytes: int, call, *args, **kwargs):
-        if self.on_issue is not None:
-            self.on_issue()
-        issued = time.perf_counter()
-        work = call(*args, **kwargs)
+    def _issue(self, kind: str, nbytes: int, call, tensors, *args, **kwargs):
+        recorder = self.recorder
+        token = recorder.issued(_device_type(tensors))
+        work = call(tensors, *args, **kwargs)
         try:
             future = work.get_future()
         except RuntimeError:  # p2p work has no future: its wait() marks completion
-            return TimedWork(work, lambda began, ended: self.sink(kind, nbytes, issued, ended))
-        future.then(lambda _: self.sink(kind, nbytes, issued, time.perf_counter()))
-        return work
+            return TimedWork(work, recorder, lambda: recorder.completed(kind, nbytes, token))
+        future.then(lambda _: recorder.completed(kind, nbytes, token))
+        return TimedWork(work, recorder) if recorder.watches_waits else work
 
     # -- collectives --------------------------------------------------------
 
@@ -151,7 +173,7 @@ class TimedGroup(dist.ProcessGroup):
         return self._issue("recv", _bytes(tensors), self.inner.recv, tensors, *args, **kwargs)
 
     def barrier(self, *args, **kwargs):
-        return self._issue("barrier", 0, self.inner.barrier, *args, **kwargs)
+        return self._issue("barrier", 0, lambda _: self.inner.barrier(*args, **kwargs), None)
 
     # -- identity -------------------------------------------------------
 
@@ -162,17 +184,18 @@ class TimedGroup(dist.ProcessGroup):
         return self.inner.name()
 
 
-def _backend_type(group: dist.ProcessGroup):
+def _backend_type(group):
+    """The BackendType of a process group or of one of its per-device backends."""
     name = group.name()
     return {"gloo": dist.ProcessGroup.BackendType.GLOO, "nccl": dist.ProcessGroup.BackendType.NCCL}.get(
         name, dist.ProcessGroup.BackendType.CUSTOM
     )
 
 
-def wrap_group(inner: dist.ProcessGroup, sink, on_issue=None) -> TimedGroup:
+def wrap_group(inner: dist.ProcessGroup, recorder) -> TimedGroup:
     """Put a TimedGroup in ``inner``'s place: same name, same ranks, same store."""
     name = inner.group_name
-    timed = TimedGroup(inner, sink, on_issue)
+    timed = TimedGroup(inner, recorder)
     world = c10d._world
     world.pg_map[timed] = world.pg_map[inner]
     world.pg_names[timed] = world.pg_names[inner]
@@ -190,11 +213,11 @@ def wrap_group(inner: dist.ProcessGroup, sink, on_issue=None) -> TimedGroup:
     return timed
 
 
-def instrument_mesh(mesh, sink, on_issue=None) -> None:
-    """Make every collective over ``mesh``'s groups reach ``sink``."""
+def instrument_mesh(mesh, recorder) -> None:
+    """Make every collective over ``mesh``'s groups reach ``recorder``."""
     for name in mesh._dim_group_names:
         group = _resolve_process_group(name)
         if not isinstance(group, TimedGroup):
-            timed = wrap_group(group, sink, on_issue)
+            timed = wrap_group(group, recorder)
             if name in getattr(mesh, "_pg_registry", {}):
                 mesh._pg_registry[name] = timed

@@ -11,32 +11,82 @@ batches in plain single-process PyTorch, and compares: each parameter gathered
 whole (``full_tensor`` for sharded ones) against the reference, as the largest
 difference relative to the parameter's largest value. The seeds' promise is that
 this is rounding noise (< 1e-5 in float32).
+
+On a GPU the loop never makes the CPU wait for the device inside a step: the
+batch is copied from pinned memory without blocking, the loss stays a device
+tensor until a progress line (or the end) reads it, and step times come from
+CUDA events read later. So the CPU prepares step n+1 while the GPU runs step n.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-import time
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from .data import dataset_for, loss_function
-from .instruments import ControlChannel, Publisher, StepRecorder
+from .instruments import ControlChannel, Publisher, recorder_for
 from .memory import estimated_bytes, local_bytes, memory_bytes
 from .models import build_model
-from .rank_runtime import this_rank
+from .rank_runtime import device_name, this_rank
+from .step_timer import StepTimer
 from .strategies import parallelize, shard_for_memory_estimate
 from .timed_group import instrument_mesh
 from .train_config import OPTIMIZERS, TrainConfig
 
 
-def make_optimizer(parameters, config: TrainConfig) -> torch.optim.Optimizer:
+def make_optimizer(parameters, config: TrainConfig, device: torch.device = torch.device("cpu")) -> torch.optim.Optimizer:
+    """SGD or AdamW over ``parameters``.
+
+    On CPU, one tensor at a time (``foreach=False``): the same per-parameter
+    arithmetic on plain and sharded tensors. On a GPU that would launch a dozen
+    small kernels per parameter, so AdamW updates many tensors per kernel
+    (``foreach``); a foreach kernel cannot mix DTensors with plain tensors, so
+    they go in separate parameter groups.
+    """
+    parameters = list(parameters)
+    foreach = device.type == "cuda"
+    if foreach:
+        sharded = [p for p in parameters if isinstance(p, DTensor)]
+        plain = [p for p in parameters if not isinstance(p, DTensor)]
+        parameters = [{"params": group} for group in (sharded, plain) if group]
     if config.optimizer == "sgd":
-        return torch.optim.SGD(parameters, lr=config.lr)
-    # foreach=False: the same per-parameter arithmetic on plain and sharded tensors.
-    return torch.optim.AdamW(parameters, lr=config.lr, weight_decay=0.0, foreach=False)
+        return torch.optim.SGD(parameters, lr=config.lr, foreach=foreach)
+    return torch.optim.AdamW(parameters, lr=config.lr, weight_decay=0.0, foreach=foreach)
+
+
+@contextlib.contextmanager
+def precision_settings(config: TrainConfig):
+    """TF32 matrix products for the run when asked (NVIDIA GPUs), restored afterwards."""
+    if not config.tf32:
+        yield
+        return
+    matmul, cudnn = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, cudnn
+
+
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Copy a batch to the rank's device; to a GPU from pinned memory, without waiting."""
+    if device.type != "cuda":
+        return tensor
+    # A copy from pageable memory makes the CPU wait for the GPU to reach it.
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
+def control_tensor(values, dtype=torch.float32, group=None) -> torch.Tensor:
+    """A small tensor for the lab's own traffic: on CPU when the group carries CPU tensors
+    (gloo, or gloo beside nccl), else on this process's GPU (a group of nccl alone)."""
+    group = group or dist.group.WORLD
+    if any(device.type == "cpu" for device in group._device_types):
+        return torch.tensor(values, dtype=dtype)
+    return torch.tensor(values, dtype=dtype, device=torch.device("cuda", torch.cuda.current_device()))
 
 
 def _coordinate(mesh, config: TrainConfig) -> dict[str, int]:
@@ -57,13 +107,19 @@ class ScriptContext:
     """
 
     def __init__(self) -> None:
+        import os
+
         from torch.distributed.device_mesh import init_device_mesh
 
         self._init_device_mesh = init_device_mesh
         self.rank = dist.get_rank()
-        self.backend = dist.get_backend()
-        self.device = torch.device("cpu")
-        self.recorder = StepRecorder(self.rank)
+        self.backend = "nccl" if "nccl" in dist.get_backend() else "gloo"
+        if self.backend == "nccl":
+            self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(self.device)
+        else:
+            self.device = torch.device("cpu")
+        self.recorder = recorder_for(self.rank, self.device)
         self.control_path = None
         self.last_run = None
         self._meshes = {}
@@ -73,7 +129,7 @@ class ScriptContext:
         if key not in self._meshes:
             mesh = self._init_device_mesh(self.device.type, key[0], mesh_dim_names=key[1])
             if instrumented:
-                instrument_mesh(mesh, self.recorder.sink, self.recorder.sample)
+                instrument_mesh(mesh, self.recorder)
             self._meshes[key] = mesh
         return self._meshes[key]
 
@@ -83,81 +139,131 @@ STOP_CHECK_EVERY = 4  # steps between agreements on a stop request (one 4-byte a
 
 def _agree_to_stop(requested: bool) -> bool:
     """All ranks stop at the same step boundary, or none would be left waiting in a collective."""
-    flag = torch.tensor([1.0 if requested else 0.0])
+    flag = control_tensor([1.0 if requested else 0.0])
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return bool(flag.item())
 
 
-def _report_progress(config, mesh, parallel, recorder, reporter: bool, step: int, loss, seconds: float) -> None:
-    """Print the step's loss averaged over dp replicas (outside the timed part of the step)."""
-    if not parallel.owns_loss:
-        return
-    if "dp" in config.mesh_names and config.axis("dp") > 1:
-        total = torch.tensor([loss], dtype=torch.float64)
-        recorder.paused = True  # this all-reduce is the lab's, not the model's
-        try:
-            dist.all_reduce(total, group=mesh["dp"].get_group())
-        finally:
-            recorder.paused = False
-        loss = float(total) / config.axis("dp")
-    if reporter:
-        print(f"step {step + 1:>4}/{config.steps}  loss {loss:.4f}  {seconds * 1000:.1f} ms", flush=True)
+class LossLog:
+    """Every step's loss, and the progress lines, without making a GPU wait.
+
+    A loss stays a device tensor until it is needed: reading it makes the CPU
+    wait for the GPU. A progress line (every ``log_every`` steps, and the last)
+    is printed once the *next* step has been enqueued, so the GPU has work while
+    the CPU waits for the number. The line shows the loss averaged over dp
+    replicas (a small all-reduce, outside the timed step).
+    """
+
+    def __init__(self, config: TrainConfig, mesh, parallel, recorder, reporter: bool, timer: StepTimer) -> None:
+        self.config, self.mesh, self.parallel = config, mesh, parallel
+        self.recorder, self.reporter, self.timer = recorder, reporter, timer
+        self._values: list[float] = []
+        self._unread: list = []
+        self._due: int | None = None
+
+    def add(self, step: int, loss) -> None:
+        self._unread.append(loss)
+        self.print_due()
+        if step % self.config.log_every == 0 or step == self.config.steps - 1:
+            self._due = step
+
+    def values(self) -> list[float] | None:
+        """Every step's loss as numbers (None on ranks that do not compute it)."""
+        self.print_due()
+        if not self.parallel.owns_loss:
+            return None
+        if self._unread:
+            self._values.extend(torch.stack([loss.float() for loss in self._unread]).tolist())
+            self._unread.clear()
+        return self._values
+
+    def print_due(self) -> None:
+        step, self._due = self._due, None
+        if step is None or not self.parallel.owns_loss:
+            return
+        config = self.config
+        loss = float(self._unread[step - len(self._values)] if step >= len(self._values) else self._values[step])
+        if "dp" in config.mesh_names and config.axis("dp") > 1:
+            group = self.mesh["dp"].get_group()
+            total = control_tensor([loss], dtype=torch.float64, group=group)
+            self.recorder.paused = True  # this all-reduce is the lab's, not the model's
+            try:
+                dist.all_reduce(total, group=group)
+            finally:
+                self.recorder.paused = False
+            loss = float(total) / config.axis("dp")
+        if self.reporter:
+            seconds = self.timer.seconds_of(step)
+            took = f"  {seconds * 1000:.1f} ms" if seconds is not None else ""
+            print(f"step {step + 1:>4}/{config.steps}  loss {loss:.4f}{took}", flush=True)
 
 
 def train(config: TrainConfig, context=None) -> dict:
     runtime = context or this_rank()
+    with precision_settings(config):
+        return _train(config, runtime)
+
+
+def _train(config: TrainConfig, runtime) -> dict:
+    device = runtime.device
     mesh = runtime.mesh_for(config.mesh_shape, config.mesh_names, instrumented=config.instruments)
     coordinate = _coordinate(mesh, config)
     data = dataset_for(config.model, config.model_config, config.seed)
     loss_fn = loss_function(config.model)
-    model = build_model(config.model, config.model_config, config.seed, runtime.device)
-    parallel = parallelize(model, mesh, config, loss_fn, runtime.device, runtime.backend)
-    optimizer = make_optimizer(parallel.module.parameters(), config)
+    model = build_model(config.model, config.model_config, config.seed, device)
+    parallel = parallelize(model, mesh, config, loss_fn, device, runtime.backend)
+    optimizer = make_optimizer(parallel.module.parameters(), config, device)
     reporter = parallel.owns_loss and all(index == 0 for name, index in coordinate.items() if name != "pp")
     recorder = runtime.recorder
-    recorder.rows.clear()  # rows and timeline describe this run only
-    recorder.timeline.clear()
+    recorder.clear()  # rows and timeline describe this run only
+    if config.instruments and recorder.watches_waits:
+        parallel.backward_watch = recorder.backward_watch
+        recorder.watch_module_waits(parallel.module)
     control = ControlChannel(runtime.control_path if config.instruments else None, runtime.rank)
     publisher = Publisher(recorder) if config.instruments else None
+    timer = StepTimer(device)
+    losses = LossLog(config, mesh, parallel, recorder, reporter, timer)
     samples = config.global_batch // config.axis("dp")
     tokens = samples * config.model_config.seq if config.model == "gpt" else None
-    losses, step_seconds = [], []
     for step in range(config.steps):
         control.poll()
         if step and step % STOP_CHECK_EVERY == 0 and config.instruments and _agree_to_stop(control.stop_requested):
             break
         inputs, targets = _data_slice(config, coordinate, data.batch(step, config.global_batch))
-        inputs, targets = inputs.to(runtime.device), targets.to(runtime.device)
+        inputs, targets = to_device(inputs, device), to_device(targets, device)
+        timer.begin()
         if config.instruments:
             recorder.begin_step(step)
-        began = time.perf_counter()
         delay = control.spend_delay()
         optimizer.zero_grad(set_to_none=True)
         loss = parallel.forward_backward(inputs, targets)
         optimizer.step()
-        step_seconds.append(time.perf_counter() - began)
-        losses.append(loss)
+        timer.end()
         if config.instruments:
             recorder.end_step(samples, tokens, loss, delay)
+        losses.add(step, loss)
+        if config.instruments:
             publisher.maybe_publish()
-        if step % config.log_every == 0 or step == config.steps - 1:
-            _report_progress(config, mesh, parallel, recorder, reporter, step, loss, step_seconds[-1])
+    losses.print_due()
+    recorder.finish()
     if publisher is not None:
         publisher.maybe_publish(force=True)
+    step_seconds = timer.seconds()
     runtime.last_run = {"model": parallel.module, "optimizer": optimizer, "config": config}
     result = {
         "rank": runtime.rank,
         "coordinate": coordinate,
         "owns_loss": parallel.owns_loss,
-        "losses": losses if parallel.owns_loss else None,
+        "losses": losses.values(),
         "step_seconds": step_seconds,
         "steps_done": len(step_seconds),
         "memory": memory_bytes(parallel.module, optimizer),
-        "rows": list(recorder.rows),
+        "rows": list(recorder.rows) if config.instruments else [],
         "timeline": list(recorder.timeline) if config.instruments else [],
+        "device_name": device_name(device),
     }
     if config.verify:
-        result["verify"] = compare_with_reference(config, parallel, runtime.device, len(step_seconds))
+        result["verify"] = compare_with_reference(config, parallel, device, len(step_seconds))
     return result
 
 
@@ -166,7 +272,7 @@ def reference_parameters(config: TrainConfig, device, steps: int) -> tuple[dict,
     """(initial, final) parameters of ``steps`` single-process steps on the same global batches."""
     model = build_model(config.model, config.model_config, config.seed, device)
     initial = {name: p.detach().clone() for name, p in model.named_parameters()}
-    optimizer = make_optimizer(model.parameters(), config)
+    optimizer = make_optimizer(model.parameters(), config, torch.device(device))
     data = dataset_for(config.model, config.model_config, config.seed)
     loss_fn = loss_function(config.model)
     for step in range(steps):
@@ -203,7 +309,7 @@ def compare_with_reference(config: TrainConfig, parallel, device, steps: int) ->
     size = sum(float(initial[n].norm() ** 2) for n in reference) ** 0.5
     largest_update = moved / max(size, 1e-30)
     # Every rank compared its own share; the verdict is the worst over all ranks.
-    worst = torch.tensor([worst_difference, largest_update, worst_elementwise], dtype=torch.float64)
+    worst = control_tensor([worst_difference, largest_update, worst_elementwise], dtype=torch.float64)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     return {
         "max_relative_difference": float(worst[0]),

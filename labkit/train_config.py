@@ -3,7 +3,11 @@
 A strategy is one or more of ``ddp``, ``fsdp``, ``tp``, ``pp`` joined by ``+``
 (``fsdp+tp``, ``ddp+pp``, ``pp+tp``). Each uses one mesh axis: ddp and fsdp the
 ``dp`` axis, tp the ``tp`` axis, pp the ``pp`` axis. A single strategy gets all
-ranks on its axis; a composition needs the mesh spelled out (``dp=2, tp=2``).
+ranks on its axis. A composition takes the mesh it is given (``dp=2, tp=2``);
+without one, the lab's current mesh when its axes are the ones needed, else the
+most even split of the ranks that the model allows (``mesh_reason`` says which).
+Settings left out get defaults that run: pipeline microbatches default to the
+number of stages, since 1F1B needs at least that many.
 Everything here is pure: no processes, no torch.
 """
 
@@ -19,6 +23,7 @@ PARTS = ("ddp", "fsdp", "tp", "pp")
 AXIS_OF = {"ddp": "dp", "fsdp": "dp", "tp": "tp", "pp": "pp"}
 AXIS_ORDER = ("pp", "dp", "tp")  # outermost first: tp innermost keeps its groups on neighbouring ranks
 OPTIMIZERS = {"adamw": 2, "sgd": 0}  # optimizer state tensors per parameter
+PRECISIONS = ("fp32", "bf16")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|MB|GB|KiB|MiB|GiB)?\s*$", re.IGNORECASE)
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
@@ -64,7 +69,7 @@ class TrainConfig:
     model: str = "mlp"
     steps: int = 20
     global_batch: int = 32
-    micro_batches: int = 1
+    micro_batches: int | None = None  # None: the number of pipeline stages under pp, else 1
     lr: float = 1e-3
     optimizer: str = "adamw"
     seed: int = 0
@@ -76,9 +81,13 @@ class TrainConfig:
     verify: bool = False
     log_every: int = 10
     instruments: bool = True
+    precision: str = "fp32"
+    tf32: bool = False
+    peak_tflops: float | None = None
     model_settings: dict = field(default_factory=dict)
     mesh_names: tuple[str, ...] = ()
     mesh_shape: tuple[int, ...] = ()
+    mesh_reason: str = "given"
 
     @property
     def parts(self) -> tuple[str, ...]:
@@ -103,38 +112,86 @@ class TrainConfig:
         return asdict(self)
 
     def describe(self) -> str:
-        return f"{self.model} under {self.strategy} on mesh {self.mesh.describe()}"
+        math = " in bf16" if self.precision == "bf16" else " in TF32" if self.tf32 else ""
+        return f"{self.model} under {self.strategy} on mesh {self.mesh.describe()}{math}"
 
 
-def resolve(world_size: int, mesh: dict | None = None, **settings) -> TrainConfig:
-    """Build a ``TrainConfig`` and check it against the lab's world size; raise ValueError."""
-    known = {f.name for f in fields(TrainConfig)} - {"mesh_names", "mesh_shape"}
+def resolve(world_size: int, mesh: dict | None = None, lab_mesh: MeshSpec | None = None, **settings) -> TrainConfig:
+    """Build a ``TrainConfig`` and check it against the lab's world size; raise ValueError.
+
+    ``lab_mesh``: the lab's current mesh, used by a composition given no ``mesh``
+    when its axes are the ones the composition needs.
+    """
+    known = {f.name for f in fields(TrainConfig)} - {"mesh_names", "mesh_shape", "mesh_reason"}
     unknown = sorted(set(settings) - known)
     if unknown:
         raise ValueError(f"unknown training setting {', '.join(unknown)}; the settings are {', '.join(sorted(known))}")
     config = TrainConfig(**settings)
     parts = config.parts
     needed = sorted({AXIS_OF[part] for part in parts}, key=AXIS_ORDER.index)
+    config = replace(config, max_memory=parse_bytes(config.max_memory))
     if mesh:
         spec = MeshSpec.from_axes(mesh, world_size)
         if set(spec.names) != set(needed):
             raise ValueError(
                 f"strategy {config.strategy} uses mesh axes {', '.join(needed)}; the mesh given has {', '.join(spec.names)}"
             )
+        candidates = [(spec, "given")]
     elif len(needed) == 1:
-        spec = MeshSpec((needed[0],), (world_size,))
+        candidates = [(MeshSpec((needed[0],), (world_size,)), "given")]
+    elif lab_mesh is not None and set(lab_mesh.names) == set(needed):
+        candidates = [(lab_mesh, "the lab's mesh")]
     else:
-        example = ", ".join(f"{axis}=2" for axis in needed)
-        raise ValueError(f"strategy {config.strategy} needs a mesh over {', '.join(needed)}: give mesh=dict({example})")
-    config = replace(config, mesh_names=spec.names, mesh_shape=spec.shape, max_memory=parse_bytes(config.max_memory))
-    _check(config)
-    return config
+        candidates = [(MeshSpec(tuple(needed), shape), f"the most even split of {world_size} ranks that fits")
+                      for shape in even_splits(world_size, len(needed))]
+        if not candidates:
+            raise ValueError(f"{world_size} ranks cannot be split over {len(needed)} axes ({', '.join(needed)})")
+    first_error = None
+    for spec, reason in candidates:
+        candidate = replace(config, mesh_names=spec.names, mesh_shape=spec.shape, mesh_reason=reason)
+        if candidate.micro_batches is None:
+            candidate = replace(candidate, micro_batches=candidate.axis("pp") if "pp" in parts else 1)
+        try:
+            _check(candidate)
+        except ValueError as error:
+            first_error = first_error or error
+            continue
+        return candidate
+    if candidates[0][1] == "given":
+        raise first_error
+    tried = ", ".join(spec.describe() for spec, _ in candidates)
+    raise ValueError(f"no split of {world_size} ranks over {', '.join(needed)} fits this model ({tried} tried; "
+                     f"first: {first_error}): change the model settings, or give the mesh yourself")
+
+
+def even_splits(world_size: int, axes: int) -> list[tuple[int, ...]]:
+    """Every way to split ``world_size`` ranks over ``axes`` axes of size >= 2, most even first."""
+    def splits(remaining: int, count: int):
+        if count == 1:
+            if remaining >= 2:
+                yield (remaining,)
+            return
+        for size in range(2, remaining + 1):
+            if remaining % size == 0:
+                for rest in splits(remaining // size, count - 1):
+                    yield (size, *rest)
+
+    return sorted(splits(world_size, axes), key=lambda shape: (max(shape) / min(shape), shape))
 
 
 def _check(config: TrainConfig) -> None:
     for name, value in (("steps", config.steps), ("global_batch", config.global_batch), ("micro_batches", config.micro_batches)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if config.precision not in PRECISIONS:
+        raise ValueError(f"unknown precision {config.precision!r}: choose {' or '.join(PRECISIONS)}")
+    if config.verify and (config.precision != "fp32" or config.tf32):
+        raise ValueError(
+            "the equivalence proof (verify=True) compares in strict float32: train with precision='fp32' and "
+            "tf32=False to verify, or drop verify to train in bf16 or TF32"
+        )
+    if config.peak_tflops is not None and not (isinstance(config.peak_tflops, (int, float)) and config.peak_tflops > 0):
+        raise ValueError(f"peak_tflops is the device's peak in TFLOP/s (a positive number), got {config.peak_tflops!r}")
     if config.optimizer not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {config.optimizer!r}: choose {', '.join(OPTIMIZERS)}")
     if not config.lr > 0:

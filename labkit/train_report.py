@@ -14,6 +14,7 @@ import statistics
 from dataclasses import dataclass
 
 from .budget import total_bytes as _total
+from .device_peaks import math_kind, peak_tflops
 from .train_config import TrainConfig, format_bytes
 
 EQUIVALENCE_TOLERANCE = 1e-5
@@ -93,6 +94,35 @@ class TrainReport:
         return self.samples_per_second * self.config.model_config.seq
 
     @property
+    def device_name(self) -> str:
+        return self.results[0].get("device_name", "cpu")
+
+    @property
+    def model_flops_per_step(self) -> int:
+        """The model's training FLOPs for one step's global batch, however it is split."""
+        return self.config.model_config.training_flops_per_sample() * self.config.global_batch
+
+    @property
+    def achieved_tflops(self) -> float:
+        """Model FLOPs per second over all ranks, in TFLOP/s."""
+        return self.model_flops_per_step / self.median_step_seconds / 1e12
+
+    @property
+    def peak_tflops(self) -> float | None:
+        """Peak of one device for this run's math: given, or from the data sheet; None when unknown."""
+        if self.config.peak_tflops is not None:
+            return float(self.config.peak_tflops)
+        if self.device_name == "cpu":
+            return None
+        return peak_tflops(self.device_name, self.config.precision, self.config.tf32)
+
+    @property
+    def mfu(self) -> float | None:
+        """Model FLOPs utilisation: achieved model FLOPs over the peak of all the run's devices."""
+        peak = self.peak_tflops
+        return None if peak is None else self.achieved_tflops / (peak * len(self.results))
+
+    @property
     def memory(self) -> list[dict]:
         return [r["memory"] for r in self.results]
 
@@ -162,6 +192,14 @@ class TrainReport:
             f"step time {self.median_step_seconds * 1000:.1f} ms (median, slowest rank), {rate}",
             f"communication per rank and step: {format_bytes(self.comm_bytes_per_rank)}" + (f" ({kinds})" if kinds else ""),
         ]
+        if self.device_name != "cpu" or config.peak_tflops is not None:
+            math = math_kind(config.precision, config.tf32)
+            flops = f"model FLOPs {self.achieved_tflops:,.1f} TFLOP/s on {len(self.results)} x {self.device_name}"
+            if self.mfu is None:
+                flops += f"; MFU unknown: no {math} peak known for this device (give peak_tflops=...)"
+            else:
+                flops += f", MFU {self.mfu:.1%} of the {math} peak ({self.peak_tflops:g} TFLOP/s each)"
+            lines.append(flops)
         if config.max_memory:
             verdict = "within" if self.max_memory_bytes <= config.max_memory else "OVER"
             lines.append(

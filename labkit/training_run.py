@@ -150,12 +150,17 @@ def launch_training(lab, settings: dict, mesh, timeout: float, dashboard: bool, 
                     straggler_threshold: float) -> TrainingRun:
     """``Lab.train``'s work: check everything, enforce the memory budget, start the run."""
     try:
-        config = resolve(lab.world_size, mesh=mesh, **settings)
+        config = resolve(lab.world_size, mesh=mesh, lab_mesh=lab.mesh_spec, **settings)
     except LabConfigError:
         raise
     except (ValueError, TypeError) as error:
         raise LabConfigError(str(error)) from None
+    if config.tf32 and lab.plan.device_type != "cuda":
+        raise LabConfigError("tf32 switches NVIDIA GPUs' matrix units to TensorFloat-32; this lab's ranks run on CPU "
+                             "(gloo), where it would change nothing: drop tf32, or start the lab with backend='nccl'")
     lab._require_idle()
+    if config.mesh_reason != "given":
+        print(f"{config.strategy} without a mesh: using {config.mesh.describe()}, {config.mesh_reason}")
     if config.max_memory is not None:
         enforce_budget(lab, config)
     run = TrainingRun(lab, config, timeout, dashboard=dashboard, background=background,

@@ -13,6 +13,14 @@ def lab():
         yield running
 
 
+def ipython_shell():
+    """IPython's test shell: started once per test session, shared by the modules that use magics."""
+    from IPython.terminal.interactiveshell import TerminalInteractiveShell
+    from IPython.testing.globalipapp import start_ipython
+
+    return start_ipython() or TerminalInteractiveShell.instance()
+
+
 def lab_process_ids(lab) -> set[int]:
     return set(lab.cluster.process_ids())
 

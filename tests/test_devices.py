@@ -31,8 +31,16 @@ def test_nccl_without_gpus_is_refused():
 
 
 def test_more_nccl_ranks_than_gpus_is_refused():
-    with pytest.raises(DeviceError, match="4 ranks asked, 2 GPU"):
+    with pytest.raises(DeviceError, match="4 ranks asked, 2 GPUs visible .*at most 2 ranks, or use backend='gloo'"):
         plan_ranks(4, backend="nccl", gpus=("0", "1"))
+
+
+def test_refusal_with_one_gpu_says_rank_not_ranks():
+    with pytest.raises(DeviceError) as refused:
+        plan_ranks(4, backend="nccl", gpus=("0",))
+    message = str(refused.value)
+    assert "4 ranks asked, 1 GPU visible (0)" in message
+    assert "ask for at most 1 rank, or use backend='gloo'" in message
 
 
 @pytest.mark.parametrize("ranks", [0, -1, 2.5, "4", True])

@@ -18,7 +18,7 @@ def test_cause_first_then_released_ranks_grouped():
         3: {"ok": True, "value": 3},
     }
     failure = RankFailure(reports, recovery="rebuilt")
-    assert failure.summary() == "rank 1 raised ValueError; ranks 0, 2 failed in a collective waiting on a peer"
+    assert failure.summary() == "rank 1 raised ValueError: bad; ranks 0, 2 failed in a collective waiting on a peer"
     details = failure.details()
     assert "--- rank 1 ---\nTraceback...\nValueError: bad" in details
     # Peer ports and source paths differ per rank; the grouped message drops them.
@@ -32,8 +32,45 @@ def test_cause_first_then_released_ranks_grouped():
 def test_identical_tracebacks_are_shown_once():
     reports = {rank: _error("raised") for rank in range(3)}
     failure = RankFailure(reports)
-    assert failure.summary() == "ranks 0, 1, 2 raised ValueError"
+    assert failure.summary() == "ranks 0, 1, 2 raised ValueError: bad"
     assert failure.details().count("Traceback...") == 1
+
+
+def test_summary_names_each_distinct_message_by_its_first_line():
+    reports = {
+        0: _error("raised", message="boom"),
+        1: _error("raised", message="boom on one\nmore detail below"),
+        2: _error("raised", message="\n  boom  \nsecond line"),
+        3: _error("raised", "KeyError", "'boom'", "Traceback...\nKeyError: 'boom'"),
+    }
+    failure = RankFailure(reports)
+    assert failure.summary() == (
+        "ranks 0, 2 raised ValueError: boom; rank 1 raised ValueError: boom on one; rank 3 raised KeyError: 'boom'"
+    )
+    assert str(failure) == failure.summary()
+    rendered = failure._render_traceback_()
+    assert rendered[0] == f"RankFailure: {failure.summary()}"
+    assert rendered[1] == "--- ranks 0, 1, 2 ---"  # the same traceback text: shown once
+    assert rendered[-3:] == ["--- rank 3 ---", "Traceback...", "KeyError: 'boom'"]
+
+
+def test_empty_message_keeps_the_bare_type():
+    failure = RankFailure({2: _error("raised", "AssertionError", ""), 3: _error("raised", message=" \n")})
+    assert failure.summary() == "rank 2 raised AssertionError; rank 3 raised ValueError"
+
+
+def test_summary_stays_one_short_line():
+    failure = RankFailure({0: _error("raised", message="x" * 1000 + "\ny" * 50)})
+    summary = failure.summary()
+    assert "\n" not in summary and "y" not in summary
+    assert summary.endswith("...") and len(summary) == len("rank 0 raised ValueError: ") + 200
+
+
+def test_many_distinct_messages_are_folded_into_one_part():
+    reports = {rank: _error("raised", message=f"rank {rank} is out of data") for rank in range(6)}
+    summary = RankFailure(reports).summary()
+    assert summary.startswith("rank 0 raised ValueError: rank 0 is out of data; rank 1 raised ValueError")
+    assert summary.endswith("; ranks 3, 4, 5 raised ValueError (other messages)")
 
 
 def test_hung_and_replaced_ranks_are_named():

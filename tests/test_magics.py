@@ -2,16 +2,17 @@
 
 import pytest
 from IPython.core.error import UsageError
-from IPython.testing.globalipapp import start_ipython
 
 from labkit import DeviceError, Lab, MeshError, RankFailure
+
+from .conftest import ipython_shell
 
 pytestmark = pytest.mark.lab
 
 
 @pytest.fixture(scope="module")
 def shell():
-    ip = start_ipython()
+    ip = ipython_shell()
     ip.run_line_magic("load_ext", "labkit")
     yield ip
     ip.run_line_magic("unload_ext", "labkit")
@@ -88,8 +89,8 @@ def test_train_magic_runs_a_strategy_and_verifies(started, capsys):
     )
     assert report.equivalent and report.config.strategy == "fsdp"
     assert "step    2/2" in capsys.readouterr().out
-    with pytest.raises(ValueError, match="needs a mesh over dp, tp"):
-        started.run_line_magic("lab", "train --strategy fsdp+tp --model gpt")
+    with pytest.raises(ValueError, match="2 ranks cannot be split over 2 axes"):
+        started.run_line_magic("lab", "train --strategy ddp+pp --model gpt")
     with pytest.raises(UsageError, match="name=value"):
         started.run_line_magic("lab", "train --model-settings dim")
 

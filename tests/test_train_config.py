@@ -19,7 +19,6 @@ def test_strategies_and_their_axes():
         (dict(strategy="zero3"), "unknown strategy"),
         (dict(strategy="ddp+fsdp", mesh=dict(dp=4)), "choose one of them"),
         (dict(strategy="tp+tp"), "names a part twice"),
-        (dict(strategy="fsdp+tp"), r"needs a mesh over dp, tp: give mesh=dict\(dp=2, tp=2\)"),
         (dict(strategy="fsdp+tp", mesh=dict(dp=2, pp=2)), "uses mesh axes dp, tp"),
         (dict(strategy="fsdp+tp", mesh=dict(dp=3, tp=2)), "must multiply to 4"),
         (dict(strategy="ddp", global_batch=30), "split evenly into dp=4"),
@@ -33,6 +32,11 @@ def test_strategies_and_their_axes():
         (dict(strategy="ddp", model="gpt", model_settings=dict(width=3)), "no setting width"),
         (dict(strategy="ddp", optimizer="lamb"), "unknown optimizer"),
         (dict(strategy="ddp", max_memory="lots"), "written like 64MB"),
+        (dict(strategy="ddp", precision="fp16"), "unknown precision"),
+        (dict(strategy="ddp", precision="bf16", verify=True), "strict float32"),
+        (dict(strategy="ddp", tf32=True, verify=True), "strict float32"),
+        (dict(strategy="ddp", peak_tflops=-1), "peak_tflops"),
+        (dict(strategy="pp+tp", model="gpt", model_settings=dict(heads=3, dim=48, layers=1)), "no split of 4 ranks"),
     ],
 )
 def test_bad_requests_are_refused_with_a_reason(settings, message):
@@ -46,3 +50,22 @@ def test_memory_sizes():
     assert parse_bytes("1.5GB") == 1_500_000_000
     assert parse_bytes(4096) == 4096 and parse_bytes(None) is None
     assert format_bytes(12_800_000) == "12.8 MB" and format_bytes(900) == "900 B"
+
+
+def test_defaults_that_run():
+    from labkit.mesh import MeshSpec
+    from labkit.train_config import even_splits
+
+    assert resolve(4, strategy="pp").micro_batches == 4  # 1F1B needs at least one per stage
+    assert resolve(4, strategy="ddp").micro_batches == 1
+    assert resolve(4, strategy="ddp+pp").micro_batches == 2
+    config = resolve(4, strategy="fsdp+tp", model="gpt")
+    assert config.mesh.describe() == "dp=2 x tp=2" and config.mesh_reason.startswith("the most even split")
+    lab_mesh = MeshSpec(("tp", "dp"), (2, 2))
+    assert resolve(4, strategy="fsdp+tp", lab_mesh=lab_mesh).mesh_reason == "the lab's mesh"
+    assert resolve(4, strategy="ddp", lab_mesh=lab_mesh).mesh.describe() == "dp=4"  # a single axis takes all ranks
+    assert resolve(4, strategy="fsdp+tp", mesh=dict(dp=2, tp=2)).mesh_reason == "given"
+    # The most even split the model allows: 8 heads cannot take tp=4 x dp=2's sibling with tp=8.
+    assert even_splits(8, 2) == [(2, 4), (4, 2)] and even_splits(2, 2) == []
+    with pytest.raises(ValueError, match="cannot be split over 2 axes"):
+        resolve(2, strategy="fsdp+tp")

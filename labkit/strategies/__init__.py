@@ -11,6 +11,11 @@ strategy asks for it:
 
 The result, a ``ParallelModel``, runs one step's forward and backward for this
 rank whatever the composition, so the training loop is the same for all.
+
+Precision: float32 by default (the equivalence proof runs in it). With
+``precision="bf16"`` FSDP casts parameters to bfloat16 for compute and reduces
+gradients in float32 (its ``MixedPrecisionPolicy``); everything else runs the
+forward under ``torch.autocast`` in bfloat16, keeping float32 master weights.
 """
 
 from __future__ import annotations
@@ -27,34 +32,55 @@ from .pp import PipelineRunner, keep_stage
 from .tp import apply_tp
 
 
-class ParallelModel:
-    """This rank's share of the model and how to run a step on it."""
+def autocast_for(precision: str, device: torch.device, fsdp: bool = False):
+    """A context that runs the forward in ``precision``; FSDP's own policy needs none."""
+    if precision == "bf16" and not fsdp:
+        return lambda: torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext
 
-    def __init__(self, module: nn.Module, loss_fn, micro_batches: int, runner=None, grad_sync=None) -> None:
+
+class ParallelModel:
+    """This rank's share of the model and how to run a step on it.
+
+    ``backward_watch``, when set (the GPU instruments), is entered around each
+    backward pass: it notes where the device waits for gradient communication.
+    """
+
+    def __init__(self, module: nn.Module, loss_fn, micro_batches: int, runner=None, grad_sync=None,
+                 autocast=contextlib.nullcontext) -> None:
         self.module = module
         self.loss_fn = loss_fn
         self.micro_batches = micro_batches
         self.runner = runner
         self.grad_sync = grad_sync
+        self.autocast = autocast
+        self.backward_watch = None
 
     @property
     def owns_loss(self) -> bool:
         """Whether this rank computes the loss (under PP only the last stage does)."""
         return self.runner is None or self.runner.is_last
 
-    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> float | None:
-        """Gradients of the mean loss over this rank's batch; that loss where this rank has it."""
+    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
+        """Gradients of the mean loss over this rank's batch; that loss where this rank has it.
+
+        The loss comes back as a 0-d tensor on the rank's device: reading it
+        (``float``) would make the CPU wait for the GPU every step.
+        """
         if self.runner is not None:
-            loss = self.runner.step(inputs, targets)
+            with self.autocast():
+                loss = self.runner.step(inputs, targets)
         else:
-            loss = 0.0
+            loss = None
             pairs = list(zip(inputs.chunk(self.micro_batches), targets.chunk(self.micro_batches)))
             for index, (micro_inputs, micro_targets) in enumerate(pairs):
                 last = index == len(pairs) - 1
                 with _micro_step(self.module, last):
-                    micro_loss = self.loss_fn(self.module(micro_inputs), micro_targets) / len(pairs)
-                    micro_loss.backward()
-                loss += float(micro_loss.detach())
+                    with self.autocast():
+                        micro_loss = self.loss_fn(self.module(micro_inputs), micro_targets) / len(pairs)
+                    with self.backward_watch(micro_loss) if self.backward_watch else contextlib.nullcontext():
+                        micro_loss.backward()
+                loss = micro_loss.detach() if loss is None else loss + micro_loss.detach()
         if self.grad_sync is not None:
             self.grad_sync()
         return loss
@@ -81,7 +107,7 @@ def parallelize(model: nn.Module, mesh, config, loss_fn, device: torch.device, b
         keep_stage(model, mesh["pp"])
     grad_sync = None
     if "fsdp" in parts:
-        apply_fsdp(model, mesh["dp"], config.reshard_after_forward, backend)
+        apply_fsdp(model, mesh["dp"], config.reshard_after_forward, backend, config.precision)
     elif "ddp" in parts:
         if "tp" in parts or "pp" in parts:
             grad_sync = GradientAllReduce([model], mesh["dp"])
@@ -90,7 +116,8 @@ def parallelize(model: nn.Module, mesh, config, loss_fn, device: torch.device, b
     runner = None
     if "pp" in parts:
         runner = PipelineRunner(model, mesh["pp"], config.schedule, config.micro_batches, loss_fn, device)
-    return ParallelModel(model, loss_fn, config.micro_batches, runner=runner, grad_sync=grad_sync)
+    autocast = autocast_for(config.precision, device, fsdp="fsdp" in parts)
+    return ParallelModel(model, loss_fn, config.micro_batches, runner=runner, grad_sync=grad_sync, autocast=autocast)
 
 
 def shard_for_memory_estimate(model: nn.Module, mesh, config, backend: str) -> nn.Module:
@@ -104,5 +131,5 @@ def shard_for_memory_estimate(model: nn.Module, mesh, config, backend: str) -> n
     if "pp" in parts:
         keep_stage(model, mesh["pp"])
     if "fsdp" in parts:
-        apply_fsdp(model, mesh["dp"], config.reshard_after_forward, backend)
+        apply_fsdp(model, mesh["dp"], config.reshard_after_forward, backend, config.precision)
     return model

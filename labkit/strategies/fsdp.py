@@ -14,12 +14,18 @@ which divided by the wrong count, so gradients came out summed instead of
 averaged. labkit asks FSDP for SUM reductions with its own division on gloo, so
 the result never depends on gloo's AVG; a test compares the gradients with
 single-process training.
+
+Mixed precision (``precision="bf16"``): FSDP's ``MixedPrecisionPolicy`` gathers
+parameters in bfloat16 for compute and reduces gradients in float32, while the
+shards, and the optimizer, keep float32; the model's output is cast back to
+float32 so the loss is computed in full precision.
 """
 
 from __future__ import annotations
 
+import torch
 import torch.nn as nn
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 
 def repeated_layers(model: nn.Module):
@@ -28,10 +34,21 @@ def repeated_layers(model: nn.Module):
     return list(container.values()) if container is not None else []
 
 
-def apply_fsdp(model: nn.Module, dp_mesh, reshard_after_forward: bool = True, backend: str = "gloo") -> nn.Module:
+def mixed_precision(precision: str, root: bool) -> MixedPrecisionPolicy:
+    """bf16 compute with float32 gradient reduction; only the whole model's output goes back to float32."""
+    if precision == "bf16":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                    output_dtype=torch.float32 if root else None)
+    return MixedPrecisionPolicy()
+
+
+def apply_fsdp(model: nn.Module, dp_mesh, reshard_after_forward: bool = True, backend: str = "gloo",
+               precision: str = "fp32") -> nn.Module:
     for layer in repeated_layers(model):
-        fully_shard(layer, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
+        fully_shard(layer, mesh=dp_mesh, reshard_after_forward=reshard_after_forward,
+                    mp_policy=mixed_precision(precision, root=False))
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard_after_forward,
+                mp_policy=mixed_precision(precision, root=True))
     if backend == "gloo":
         for module in model.modules():
             if isinstance(module, FSDPModule):

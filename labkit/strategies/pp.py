@@ -55,8 +55,8 @@ class PipelineRunner:
     def is_last(self) -> bool:
         return self.stage_index == self.stages - 1
 
-    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float | None:
-        """Forward and backward of the step's batch; the mean loss on the last stage."""
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
+        """Forward and backward of the step's batch; the mean loss on the last stage (a 0-d tensor)."""
         losses: list[torch.Tensor] = []
         if self.is_first and self.is_last:
             self.schedule.step(inputs, target=targets, losses=losses)
@@ -68,4 +68,4 @@ class PipelineRunner:
             self.schedule.step()
         if not losses:
             return None
-        return float(torch.stack([loss.detach() for loss in losses]).mean())
+        return torch.stack([loss.detach().float() for loss in losses]).mean()
