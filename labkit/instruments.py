@@ -145,6 +145,7 @@ class StepRecorder:
 
     def begin_step(self, step: int) -> None:
         now = time.perf_counter()
+        self._events.clear()  # collectives that completed before the step are not its own
         self._step = (step, now, self.clock.busy())
         self._samples.clear()
         self._samples.append((now, self._step[2]))

@@ -1,4 +1,4 @@
-"""The training loop every strategy shares, and its proof against one big machine.
+"""The training loop every strategy shares, on CPU and GPU ranks alike.
 
 ``train(config)`` runs on every rank (``Lab.train`` sends it): build the zoo
 model with the same seed everywhere, apply the strategy (``strategies``), then
@@ -6,11 +6,8 @@ for each step take this rank's slice of the step's global batch, run forward and
 backward, and let the optimizer update what this rank holds. Nothing in the loop
 knows which strategy it runs; the ``ParallelModel`` does.
 
-With ``verify``, every rank then trains the same model on the same global
-batches in plain single-process PyTorch, and compares: each parameter gathered
-whole (``full_tensor`` for sharded ones) against the reference, as the largest
-difference relative to the parameter's largest value. The seeds' promise is that
-this is rounding noise (< 1e-5 in float32).
+With ``verify``, every rank then retrains the model in plain single-process
+PyTorch and compares (``verify.compare_with_reference``).
 
 On a GPU the loop never makes the CPU wait for the device inside a step: the
 batch is copied from pinned memory without blocking, the loss stays a device
@@ -21,7 +18,6 @@ CUDA events read later. So the CPU prepares step n+1 while the GPU runs step n.
 from __future__ import annotations
 
 import contextlib
-import logging
 
 import torch
 import torch.distributed as dist
@@ -263,61 +259,10 @@ def _train(config: TrainConfig, runtime) -> dict:
         "device_name": device_name(device),
     }
     if config.verify:
+        from .verify import compare_with_reference
+
         result["verify"] = compare_with_reference(config, parallel, device, len(step_seconds))
     return result
-
-
-@torch.enable_grad()
-def reference_parameters(config: TrainConfig, device, steps: int) -> tuple[dict, dict]:
-    """(initial, final) parameters of ``steps`` single-process steps on the same global batches."""
-    model = build_model(config.model, config.model_config, config.seed, device)
-    initial = {name: p.detach().clone() for name, p in model.named_parameters()}
-    optimizer = make_optimizer(model.parameters(), config, torch.device(device))
-    data = dataset_for(config.model, config.model_config, config.seed)
-    loss_fn = loss_function(config.model)
-    for step in range(steps):
-        inputs, targets = (t.to(device) for t in data.batch(step, config.global_batch))
-        optimizer.zero_grad(set_to_none=True)
-        loss_fn(model(inputs), targets).backward()
-        optimizer.step()
-    return initial, {name: p.detach() for name, p in model.named_parameters()}
-
-
-@torch.no_grad()
-def compare_with_reference(config: TrainConfig, parallel, device, steps: int) -> dict:
-    """Largest relative difference to single-process training, over all parameters and ranks."""
-    initial, reference = reference_parameters(config, device, steps)
-    # Gathering a 2-D sharded parameter whole takes two all-gathers; torch warns
-    # about that on every parameter, which is noise for a one-off comparison.
-    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
-    worst_difference, worst_name, worst_elementwise, compared = 0.0, "", 0.0, 0
-    for name, parameter in parallel.named_parameters():
-        whole = parameter.full_tensor() if isinstance(parameter, DTensor) else parameter.detach()
-        expected = reference[name]
-        # The relative error of each whole tensor, ||a - b|| / ||b||. The largest
-        # single element's error is reported too: Adam divides every element's
-        # step by its own gradient size, so an element whose gradient nearly
-        # cancels carries its rounding straight into its update.
-        difference = float((whole - expected).norm() / expected.norm().clamp_min(1e-30))
-        elementwise = float((whole - expected).abs().max() / expected.abs().max().clamp_min(1e-30))
-        compared += 1
-        worst_elementwise = max(worst_elementwise, elementwise)
-        if difference > worst_difference:
-            worst_difference, worst_name = difference, name
-    # How far training moved the whole model: equality after no movement would prove nothing.
-    moved = sum(float((reference[n] - initial[n]).norm() ** 2) for n in reference) ** 0.5
-    size = sum(float(initial[n].norm() ** 2) for n in reference) ** 0.5
-    largest_update = moved / max(size, 1e-30)
-    # Every rank compared its own share; the verdict is the worst over all ranks.
-    worst = control_tensor([worst_difference, largest_update, worst_elementwise], dtype=torch.float64)
-    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-    return {
-        "max_relative_difference": float(worst[0]),
-        "model_moved": float(worst[1]),
-        "max_elementwise_difference": float(worst[2]),
-        "worst_parameter_here": worst_name,
-        "parameters_compared_here": compared,
-    }
 
 
 def estimate_memory(config: TrainConfig) -> dict[str, int]:

@@ -10,7 +10,6 @@ import math
 import pytest
 
 from labkit.budget import MemoryBudgetError
-from labkit.train_report import EQUIVALENCE_TOLERANCE
 
 pytestmark = pytest.mark.lab
 
@@ -44,7 +43,8 @@ def test_equals_single_process_training(lab, strategy, model, mesh, extra):
         strategy, model, steps=3, mesh=mesh, global_batch=16, verify=True,
         model_settings=_settings(model), log_every=100, **extra,
     )
-    assert report.max_relative_difference < EQUIVALENCE_TOLERANCE, str(report)
+    assert report.max_relative_difference < report.equivalence_bound, str(report)
+    assert report.equivalence_bound <= 1e-4, "rounding noise this large would hide real errors"
     assert report.verify["model_moved"] > 1e-3, "training must move the model, or equality proves nothing"
     assert all(math.isfinite(loss) for loss in report.losses)
     assert report.equivalent
