@@ -61,21 +61,22 @@ def _grow(value: float, factor: float) -> float:
 def step_range(latest: int, planned_steps: int | None = None, window: int = WINDOW_STEPS) -> tuple[int, int]:
     """The step axis' (first, last) for a run whose newest step is ``latest``.
 
-    While the run fits in half a window the axis starts at 0 and doubles as the
-    run outgrows it. Later it shows ``window`` steps and jumps a quarter window
-    forward whenever the newest step passes three quarters of it, so the newest
-    step stays in the right half with room ahead, and the axes are redrawn only
-    at the jumps. A run planned to fit in one window never slides: its axis
-    grows up to its planned last step. A longer one's axis stops at its planned end.
+    A run planned to fit in one window shows its whole planned length from the
+    start (the axes are drawn once). Otherwise, while the run fits in half a
+    window the axis starts at 0 and doubles as the run outgrows it; later it
+    shows ``window`` steps and jumps half a window forward whenever the newest
+    step reaches the window's end, so the newest step stays in the right half
+    and the axes (a full redraw, ~70 ms) are redrawn only at the jumps. A long
+    run's axis stops at its planned end.
     """
     grown = FIRST_STEPS
     while grown < latest + 1:
         grown *= 2
     if planned_steps and planned_steps <= window:
-        return 0, max(min(grown, planned_steps), latest + 1)
+        return 0, max(planned_steps, latest + 1)
     if latest + 1 <= window // 2:
         return 0, grown
-    jump = window // 4
+    jump = window // 2
     first = max(0, (latest - window // 2) // jump * jump)
     last = first + window
     if planned_steps:

@@ -145,7 +145,11 @@ def resolve(world_size: int, mesh: dict | None = None, lab_mesh: MeshSpec | None
         candidates = [(MeshSpec(tuple(needed), shape), f"the most even split of {world_size} ranks that fits")
                       for shape in even_splits(world_size, len(needed))]
         if not candidates:
-            raise ValueError(f"{world_size} ranks cannot be split over {len(needed)} axes ({', '.join(needed)})")
+            raise ValueError(
+                f"{world_size} ranks cannot be split over {len(needed)} axes ({', '.join(needed)}) of at least 2 "
+                f"ranks each: use a single strategy, or a lab whose size has such factors (4 ranks: "
+                f"{' x '.join(f'{axis}=2' for axis in needed[:2])})"
+            )
     first_error = None
     for spec, reason in candidates:
         candidate = replace(config, mesh_names=spec.names, mesh_shape=spec.shape, mesh_reason=reason)
@@ -190,7 +194,8 @@ def _check(config: TrainConfig) -> None:
             "the equivalence proof (verify=True) compares in strict float32: train with precision='fp32' and "
             "tf32=False to verify, or drop verify to train in bf16 or TF32"
         )
-    if config.peak_tflops is not None and not (isinstance(config.peak_tflops, (int, float)) and config.peak_tflops > 0):
+    peak = config.peak_tflops
+    if peak is not None and (isinstance(peak, bool) or not isinstance(peak, (int, float)) or not peak > 0):
         raise ValueError(f"peak_tflops is the device's peak in TFLOP/s (a positive number), got {config.peak_tflops!r}")
     if config.optimizer not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {config.optimizer!r}: choose {', '.join(OPTIMIZERS)}")

@@ -36,6 +36,7 @@ def test_strategies_and_their_axes():
         (dict(strategy="ddp", precision="bf16", verify=True), "strict float32"),
         (dict(strategy="ddp", tf32=True, verify=True), "strict float32"),
         (dict(strategy="ddp", peak_tflops=-1), "peak_tflops"),
+        (dict(strategy="ddp", peak_tflops=True), "peak_tflops"),
         (dict(strategy="pp+tp", model="gpt", model_settings=dict(heads=3, dim=48, layers=1)), "no split of 4 ranks"),
     ],
 )

@@ -1,0 +1,99 @@
+"""The GPU step recorder's bookkeeping, run on CPU with stand-in events.
+
+``CudaStepRecorder`` only ever asks an event for ``record``-time order,
+``query``, ``synchronize`` and ``elapsed_time``; here each stand-in event is
+the CPU clock at the moment it is "recorded", so the recorder's logic (steps
+pending until their events are done, collectives, wait regions from
+``Work.wait`` and from the end of a real autograd backward) runs for real
+without a GPU. The device-side timing itself is checked by bench/gpu.py.
+"""
+
+import time
+
+import pytest
+import torch
+
+from labkit import gpu_instruments
+from labkit.gpu_instruments import CudaStepRecorder
+
+
+class StandInEvent:
+    def __init__(self) -> None:
+        self.at = time.perf_counter()
+        self.done = True
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.done = True
+
+    def elapsed_time(self, later: "StandInEvent") -> float:
+        return (later.at - self.at) * 1000.0  # milliseconds, as CUDA reports
+
+
+@pytest.fixture
+def recorder(monkeypatch):
+    events = []
+
+    def record():
+        events.append(StandInEvent())
+        return events[-1]
+
+    monkeypatch.setattr(gpu_instruments, "_event", record)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: "compute stream")
+    made = CudaStepRecorder(rank=3, device=torch.device("cpu"))
+    made.events = events
+    return made
+
+
+def test_a_step_row_from_events_adds_up(recorder):
+    recorder.begin_step(0)
+    token = recorder.issued("cuda")
+    assert recorder.issued("cpu") is None  # the lab's own CPU traffic is not the model's
+    time.sleep(0.004)
+    recorder.completed("all_reduce", 4096, token)
+    with recorder.waiting():  # a Work.wait() of the compute stream
+        time.sleep(0.010)
+    model = torch.nn.Linear(4, 1)
+    loss = model(torch.ones(8, 4)).pow(2).mean()
+    with recorder.backward_watch(loss):  # the end of backward, where DDP and FSDP wait
+        loss.backward()
+        time.sleep(0.005)  # stands for a reducer's final wait, inside backward()
+    time.sleep(0.003)
+    recorder.end_step(samples=8, tokens=None, loss=loss.detach(), delay=0.0)
+    recorder.finish()
+    (row,) = recorder.rows
+    assert row["rank"] == 3 and row["step"] == 0 and row["loss"] == pytest.approx(float(loss.detach()))
+    assert row["compute"] + row["exposed_comm"] == pytest.approx(row["seconds"])
+    assert 0.015 <= row["exposed_comm"] < row["seconds"]  # both wait regions, not the rest
+    assert row["comm"]["all_reduce"] >= 0.004 and row["bytes"] == {"all_reduce": 4096}
+    (entry,) = recorder.timeline
+    assert [busy for *_, busy in entry["busy"]].count(0.0) == 2
+
+
+def test_rows_wait_until_the_device_has_passed_their_events(recorder):
+    recorder.begin_step(0)
+    recorder.end_step(samples=8, tokens=None, loss=None)
+    assert len(recorder.rows) == 1  # all its events were done at once
+    recorder.begin_step(1)
+    unfinished = recorder.events[-1]
+    unfinished.done = False  # the device has not reached the start of step 1 yet
+    recorder.end_step(samples=8, tokens=None, loss=None)
+    recorder.begin_step(2)
+    recorder.end_step(samples=8, tokens=None, loss=None)
+    assert [row["step"] for row in recorder.rows] == [0]  # step 2 waits behind step 1, in order
+    recorder.finish()  # waits for the device
+    assert [row["step"] for row in recorder.rows] == [0, 1, 2]
+
+
+def test_waits_off_the_compute_stream_and_outside_steps_are_not_exposed(recorder, monkeypatch):
+    with recorder.waiting():
+        pass  # no step: nothing to note
+    recorder.begin_step(0)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: "all-gather stream")
+    with recorder.waiting():  # FSDP waiting on its own stream does not stall compute
+        time.sleep(0.005)
+    recorder.end_step(samples=8, tokens=None, loss=None)
+    recorder.finish()
+    assert recorder.rows[0]["exposed_comm"] == 0.0
