@@ -9,7 +9,7 @@ most ``max_rate`` times a second; the picture goes into an ``ipywidgets.Image``.
 
 The step axis follows the run (``step_range``): it grows in doublings while the
 run is young, then becomes a window of the last few hundred steps that moves
-in quarter-window jumps, so the present always fills the plot and the
+in half-window jumps, so the present always fills the plot and the
 background is redrawn only at those jumps. Only the visible steps are drawn.
 
 Live frames are JPEG (cheap to encode); when the run ends, ``finish`` writes
@@ -37,7 +37,7 @@ from .metrics import MetricsTable
 from .rank_output import in_kernel
 from .train_config import format_bytes
 
-# The step axis never spans more than this many steps; it moves a quarter of it at a time.
+# The step axis never spans more than this many steps; it moves half of it at a time.
 WINDOW_STEPS = 256
 # A young run's axis starts this wide, so its first frames do not redraw the background each step.
 FIRST_STEPS = 16

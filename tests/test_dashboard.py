@@ -49,7 +49,7 @@ def test_the_axis_moves_in_jumps_not_every_step():
     run_until(dashboard, table, 1010, first_step=1001)
     assert dashboard._throughput.get_xlim() == before  # the background stays as it was
     spans = {step_range(step, 3000) for step in range(1000, 1500)}
-    assert len(spans) <= 500 // (WINDOW_STEPS // 4) + 2  # one per quarter window, plus the partial ends
+    assert len(spans) <= 500 // (WINDOW_STEPS // 2) + 2  # one per half window, plus the partial ends
 
 
 def test_a_short_run_is_shown_whole():
