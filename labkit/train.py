@@ -168,17 +168,23 @@ class LossLog:
         self.print_due()
         if not self.parallel.owns_loss:
             return None
-        if self._unread:
-            self._values.extend(torch.stack([loss.float() for loss in self._unread]).tolist())
-            self._unread.clear()
+        self._read(len(self._values) + len(self._unread))
         return self._values
+
+    def _read(self, upto: int) -> None:
+        """The losses of the steps before ``upto`` as numbers: one transfer, and the device tensors freed."""
+        count = upto - len(self._values)
+        if count > 0:
+            self._values.extend(torch.stack([loss.float() for loss in self._unread[:count]]).tolist())
+            del self._unread[:count]
 
     def print_due(self) -> None:
         step, self._due = self._due, None
         if step is None or not self.parallel.owns_loss:
             return
         config = self.config
-        loss = float(self._unread[step - len(self._values)] if step >= len(self._values) else self._values[step])
+        self._read(step + 1)
+        loss = self._values[step]
         if "dp" in config.mesh_names and config.axis("dp") > 1:
             group = self.mesh["dp"].get_group()
             total = control_tensor([loss], dtype=torch.float64, group=group)

@@ -97,3 +97,26 @@ def test_waits_off_the_compute_stream_and_outside_steps_are_not_exposed(recorder
     recorder.end_step(samples=8, tokens=None, loss=None)
     recorder.finish()
     assert recorder.rows[0]["exposed_comm"] == 0.0
+
+
+def test_gpu_step_times_are_periods_read_as_the_device_passes_them(monkeypatch):
+    from labkit import step_timer
+
+    events = []
+
+    def record():
+        events.append(StandInEvent())
+        return events[-1]
+
+    monkeypatch.setattr(step_timer, "_cuda_event", record)
+    timer = step_timer.StepTimer(torch.device("cuda"))
+    for step in range(50):
+        timer.begin()
+        time.sleep(0.001)
+        timer.end()
+        time.sleep(0.001)  # between steps: the next batch is prepared; it counts in the period
+    assert len(timer._begins) == 1  # read and let go as the run went, all but the current step
+    assert timer.seconds_of(10) >= 0.002 and timer.seconds_of(49) is None  # the last is not closed yet
+    seconds = timer.seconds()
+    assert len(seconds) == 50 and all(value >= 0.002 for value in seconds[:-1])
+    assert 0.001 <= seconds[-1] < seconds[0] + 0.5  # the last runs from its begin to its end
