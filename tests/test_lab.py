@@ -80,6 +80,8 @@ def test_exception_on_one_rank_releases_the_others(lab):
     assert set(failure.raised) == {1} and failure.raised[1]["type"] == "ValueError"
     assert set(failure.released) == {0, 2, 3}
     assert "raise ValueError('boom')" in failure.details()
+    # What a script's log or pytest shows: the cause with its message, on one line.
+    assert str(failure).splitlines()[0].startswith("rank 1 raised ValueError: boom; ranks 0, 2, 3 failed")
     assert lab.generation == before + 1
     assert lab.run_cell("x = torch.ones(1)\ndist.all_reduce(x)\nx.item()", live=False) == ["4.0"] * 4
 
