@@ -101,6 +101,25 @@ def assemble_row(step: dict, times: dict) -> tuple[dict, dict]:
     return row, entry
 
 
+@contextlib.contextmanager
+def calling_at_backward_end(loss: torch.Tensor, callback):
+    """Within this, ``callback`` runs once ``loss``'s backward has run all its kernels.
+
+    It is queued from a hook on the loss, the first thing backward reaches, so
+    it runs before the final callbacks DDP and FSDP queue later (where they wait
+    for their last gradient reductions).
+    """
+    def at_backward_start(grad):
+        torch.autograd.Variable._execution_engine.queue_callback(callback)
+        return grad
+
+    handle = loss.register_hook(at_backward_start)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
 def _event() -> torch.cuda.Event:
     """A timing event recorded now on the calling thread's current stream."""
     event = torch.cuda.Event(enable_timing=True)
@@ -160,18 +179,8 @@ class CudaStepRecorder:
             yield
             return
         marks = {}
-
-        def at_backward_start(grad):
-            # Queued before DDP's or FSDP's own final callbacks, so it runs first:
-            # the event lands after the last backward kernel, before their waits.
-            torch.autograd.Variable._execution_engine.queue_callback(lambda: marks.setdefault("end", _event()))
-            return grad
-
-        handle = loss.register_hook(at_backward_start)
-        try:
+        with calling_at_backward_end(loss, lambda: marks.setdefault("end", _event())):
             yield
-        finally:
-            handle.remove()
         if "end" in marks:
             step["regions"].append((marks["end"], _event()))
 

@@ -32,15 +32,19 @@ class StandInEvent:
         return (later.at - self.at) * 1000.0  # milliseconds, as CUDA reports
 
 
-@pytest.fixture
-def recorder(monkeypatch):
-    events = []
-
+def recording_into(events: list):
+    """A stand-in for "record an event now" that also keeps each event made."""
     def record():
         events.append(StandInEvent())
         return events[-1]
 
-    monkeypatch.setattr(gpu_instruments, "_event", record)
+    return record
+
+
+@pytest.fixture
+def recorder(monkeypatch):
+    events = []
+    monkeypatch.setattr(gpu_instruments, "_event", recording_into(events))
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: "compute stream")
     made = CudaStepRecorder(rank=3, device=torch.device("cpu"))
     made.events = events
@@ -102,13 +106,7 @@ def test_waits_off_the_compute_stream_and_outside_steps_are_not_exposed(recorder
 def test_gpu_step_times_are_periods_read_as_the_device_passes_them(monkeypatch):
     from labkit import step_timer
 
-    events = []
-
-    def record():
-        events.append(StandInEvent())
-        return events[-1]
-
-    monkeypatch.setattr(step_timer, "_cuda_event", record)
+    monkeypatch.setattr(step_timer, "_cuda_event", recording_into([]))
     timer = step_timer.StepTimer(torch.device("cuda"))
     for step in range(50):
         timer.begin()

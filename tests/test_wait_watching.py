@@ -21,9 +21,9 @@ SMALL_GPT = dict(dim=32, heads=4, layers=4, seq=16, vocab=32)
 WATCHED_RUN = '''
 import contextlib
 
-import torch
 from torch.distributed.fsdp import FSDPModule
 
+from labkit.gpu_instruments import calling_at_backward_end
 from labkit.instruments import StepRecorder
 from labkit.train import train
 from labkit.train_config import resolve
@@ -42,17 +42,8 @@ class WaitWatchingRecorder(StepRecorder):
         self.waits += 1
         return contextlib.nullcontext()
 
-    @contextlib.contextmanager
     def backward_watch(self, loss):
-        def at_backward_start(grad):
-            torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
-            return grad
-
-        handle = loss.register_hook(at_backward_start)
-        try:
-            yield
-        finally:
-            handle.remove()
+        return calling_at_backward_end(loss, self._backward_ended)
 
     def _backward_ended(self):
         self.backward_ends += 1
