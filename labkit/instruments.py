@@ -249,6 +249,21 @@ class ControlChannel:
         return self.delay
 
 
+def set_slowdown(control: dict, rank, seconds, world_size: int) -> str:
+    """Notebook side: put a slowdown of ``rank`` (None or 0: none) in the control request; say what changed."""
+    from .errors import LabConfigError
+
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise LabConfigError(f"rank must be between 0 and {world_size - 1}, got {rank!r}")
+    if seconds is not None and (isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or seconds < 0):
+        raise LabConfigError(f"the delay must be a number of seconds >= 0, got {seconds!r}")
+    if seconds:
+        control["slow"][str(rank)] = float(seconds)
+        return f"rank {rank} now takes {seconds * 1000:g} ms longer per training step"
+    control["slow"].pop(str(rank), None)
+    return f"rank {rank} runs at its own speed again"
+
+
 def write_control(path: str, request: dict) -> None:
     """Notebook side: replace the control file in one step, so a rank never reads half of it."""
     partial = f"{path}.{os.getpid()}.tmp"

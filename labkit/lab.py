@@ -32,7 +32,7 @@ from .errors import (
     RankTimeout,
     format_ranks,
 )
-from .instruments import write_control
+from .instruments import set_slowdown, write_control
 from .mesh import MeshError, MeshSpec
 from .status import LabStatus, collect_status
 from .metrics import DEFAULT_THRESHOLD
@@ -172,6 +172,15 @@ class Lab:
         if self._active_run is run:
             self._active_run = None
 
+    def seed(self, value: int, same: bool = False) -> list[int]:
+        """Seed torch, numpy and ``random`` on every rank: ``value + rank``, or ``value`` with ``same``.
+
+        Until then each rank has its own random state, drawn when it started (a replaced
+        rank draws afresh), as under torchrun. Returns the seeds."""
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise LabConfigError(f"a seed is a non-negative integer, got {value!r}")
+        return self.run(rank_runtime.seed, value, bool(same))
+
     # -- control of running work ----------------------------------------------
 
     def _write_control(self, stop: bool | None = None) -> None:
@@ -187,16 +196,7 @@ class Lab:
         step, also during a run; training rows record it, so the dashboard marks it.
         """
         self._require_running()
-        if not isinstance(rank, int) or not 0 <= rank < self.world_size:
-            raise LabConfigError(f"rank must be between 0 and {self.world_size - 1}, got {rank!r}")
-        if seconds is not None and (isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or seconds < 0):
-            raise LabConfigError(f"the delay must be a number of seconds >= 0, got {seconds!r}")
-        if seconds:
-            self._control["slow"][str(rank)] = float(seconds)
-            message = f"rank {rank} now takes {seconds * 1000:g} ms longer per training step"
-        else:
-            self._control["slow"].pop(str(rank), None)
-            message = f"rank {rank} runs at its own speed again"
+        message = set_slowdown(self._control, rank, seconds, self.world_size)
         self._write_control()
         return message
 

@@ -6,6 +6,7 @@
     %lab train --strategy fsdp --model gpt --steps 50 [--verify] [--dashboard]
                               train a zoo model under a strategy (see Lab.train)
     %lab slow 2 30ms          make rank 2 a straggler (off to undo)
+    %lab seed 42 [--same]     seed every rank: 42 + rank (or 42 everywhere)
     %lab bench allreduce      time a collective over message sizes
     %%lab [--ranks 0,2] [--timeout 30]
     ...                       run the cell on every rank (or the given ones)
@@ -172,6 +173,7 @@ class LabMagics(Magics):
             [--precision bf16] [--tf32] [--peak-tflops T]
             [--dashboard]   (live dashboard, runs in the background; returns the run)
         %lab slow RANK 30ms | %lab slow RANK off      (a straggler on demand)
+        %lab seed S [--same]    seed torch, numpy, random on every rank: S + rank (S everywhere with --same)
         %lab bench allreduce|all_gather|reduce_scatter|broadcast [--sizes 1KB:16MB] [--iters N]
         %lab status | %lab timeout S | %lab restart | %lab stop
         %%lab [--ranks 0,2] [--timeout S]       run the cell on the ranks
@@ -191,6 +193,7 @@ class LabMagics(Magics):
             "timeout": self.timeout,
             "train": self.train,
             "slow": self.slow,
+            "seed": self.seed,
             "bench": self.bench,
         }
         if command not in handlers:
@@ -261,6 +264,16 @@ class LabMagics(Magics):
         except ValueError:
             raise UsageError(f"the rank is a number, got {words[0]!r}") from None
         print(lab.slow(rank, _duration(words[1])))
+        return None
+
+    def seed(self, words):
+        lab = self._require_lab()
+        same = "--same" in words
+        values = [word for word in words if word != "--same"]
+        if len(values) != 1 or not values[0].isdigit():
+            raise UsageError("give one seed, a non-negative integer, e.g. %lab seed 42 (or %lab seed 42 --same)")
+        seeds = lab.seed(int(values[0]), same=same)
+        print(f"seeded torch, numpy and random on every rank: {'the same seed ' + str(seeds[0]) if same else seeds}")
         return None
 
     def bench(self, words):

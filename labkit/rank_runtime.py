@@ -29,7 +29,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from .group_memory import forget_old_groups
 from .instruments import recorder_for
+from .rank_environment import seed_all, seed_independently, torchrun_environment
 from .timed_group import instrument_mesh
 
 RUNTIME_NAME = "__labkit__"
@@ -70,6 +72,7 @@ class RankRuntime:
         torch.set_num_threads(threads)
         if self.backend == "nccl":
             torch.cuda.set_device(self.device)
+        seed_independently()  # forked ranks would otherwise share the host's random state
         self._publish_names()
 
     # -- names a cell sees --------------------------------------------------
@@ -149,6 +152,8 @@ class RankRuntime:
             device_id=self.device if self.backend == "nccl" else None,
         )
         self.generation = generation
+        # What torchrun would have set; the rendezvous address changes with every generation.
+        os.environ.update(torchrun_environment(self.rank, self.world_size, self.store_host, port))
         return self.generation
 
     def leave_group(self) -> None:
@@ -161,6 +166,7 @@ class RankRuntime:
                 dist.destroy_process_group()
             except Exception:  # a broken group may complain on the way out
                 pass
+        forget_old_groups()
 
     def set_collective_timeout(self, seconds: float) -> None:
         """Bound every collective of every group by ``seconds`` (the cell's limit)."""
@@ -353,6 +359,13 @@ def run_cell(code: str, timeout_seconds: float) -> dict:
 
 def call(fn, args, kwargs, timeout_seconds: float) -> dict:
     return _runtime().call(fn, args, kwargs, timeout_seconds)
+
+
+def seed(value: int, same: bool) -> int:
+    """Seed this rank's generators: ``value`` on every rank, or ``value + rank``; return what was used."""
+    used = value if same else value + _runtime().rank
+    seed_all(used)
+    return used
 
 
 def all_reduce_check() -> float:

@@ -1,0 +1,57 @@
+"""What a rank looks like to a program written for torchrun: its environment and its random state.
+
+torchrun starts each process with variables that programs read (``RANK``,
+``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ...) and with its own random
+state. Ranks forked from the lab's process host would all inherit the host's
+state: the same ``torch.initial_seed()`` everywhere, so unseeded dropout or
+sampling would silently be identical on every rank. So each rank draws fresh
+seeds from the operating system when it starts (and a replaced rank when it
+is replaced), and ``seed`` sets them reproducibly on request.
+
+Runs in the engines; pure apart from setting ``os.environ`` and the generators.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import torch
+
+
+def torchrun_environment(rank: int, world_size: int, master_addr: str, master_port: int) -> dict[str, str]:
+    """The variables torchrun sets for one process of a single-node, single-group run."""
+    return {
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_RANK": str(rank),  # one machine: every rank is local
+        "LOCAL_WORLD_SIZE": str(world_size),
+        "GROUP_RANK": "0",
+        "GROUP_WORLD_SIZE": "1",
+        "ROLE_NAME": "default",
+        "ROLE_RANK": str(rank),
+        "ROLE_WORLD_SIZE": str(world_size),
+        "MASTER_ADDR": master_addr,
+        "MASTER_PORT": str(master_port),
+        "TORCHELASTIC_RUN_ID": "labkit",
+        "TORCHELASTIC_RESTART_COUNT": "0",
+        "TORCHELASTIC_MAX_RESTARTS": "0",
+    }
+
+
+def seed_all(value: int) -> None:
+    """Seed torch (every device), Python's ``random`` and numpy's global generator with ``value``."""
+    torch.manual_seed(value)
+    random.seed(value)
+    try:
+        import numpy
+    except ImportError:
+        return
+    numpy.random.seed(value % 2**32)
+
+
+def seed_independently() -> int:
+    """Seed everything from the operating system's entropy, as a fresh process would be; return the seed."""
+    value = int.from_bytes(os.urandom(8), "little") % 2**63
+    seed_all(value)
+    return value
