@@ -34,6 +34,7 @@ from .errors import (
 )
 from .instruments import set_slowdown, write_control
 from .mesh import MeshError, MeshSpec
+from .scripts import read_script
 from .status import LabStatus, collect_status
 from .metrics import DEFAULT_THRESHOLD
 from .training_run import launch_training
@@ -257,15 +258,8 @@ class Lab:
     def _execute(self, ranks, entry, args, timeout, live=None, show_values=False) -> dict[int, dict]:
         cluster = self._require_idle()
         limit = self._limit(timeout)
-        work = RankWork(
-            cluster,
-            ranks,
-            entry,
-            (*args, limit),
-            timeout=limit,
-            interrupt_grace=self.interrupt_grace,
-            output=make_output(ranks, live=live, show_values=show_values),
-        )
+        work = RankWork(cluster, ranks, entry, (*args, limit), timeout=limit, interrupt_grace=self.interrupt_grace,
+                        output=make_output(ranks, live=live, show_values=show_values))
         reports = work.wait()
         if not work.failed:
             return reports
@@ -274,14 +268,8 @@ class Lab:
         except LabError as error:
             recovery = f"The process group could not be rebuilt ({error}); call lab.restart() (or %lab restart)."
         kind = RankInterrupted if work.interrupted else RankTimeout if work.timed_out else RankFailure
-        raise kind(
-            reports,
-            timed_out=work.timed_out,
-            timeout_seconds=limit,
-            interrupted=work.interrupted,
-            replaced=tuple(work.replaced),
-            recovery=recovery,
-        )
+        raise kind(reports, timed_out=work.timed_out, timeout_seconds=limit, interrupted=work.interrupted,
+                   replaced=tuple(work.replaced), recovery=recovery)
 
     def run(self, fn, *args, timeout: float | None = None, **kwargs) -> list:
         """Call ``fn(*args, **kwargs)`` on every rank; return the results in rank order.
@@ -306,6 +294,15 @@ class Lab:
         targets = self._targets(ranks)
         reports = self._execute(targets, rank_runtime.run_cell, (code,), timeout, live=live, show_values=show_values)
         return [reports[rank].get("display") for rank in targets]
+
+    def run_script(self, path: str, *args, ranks=None, timeout: float | None = None) -> None:
+        """Run a script written for torchrun, unmodified, as ``__main__`` on every rank (or ``ranks``).
+
+        ``args`` become its ``sys.argv[1:]``. Its ``init_process_group`` finds the lab's group,
+        ``destroy_process_group()`` leaves it, ``sys.exit(0)`` succeeds (see ``script_runner``).
+        """
+        source, where = read_script(path)
+        self._execute(self._targets(ranks), rank_runtime.run_script, (source, where, [str(a) for a in args]), timeout)
 
     # -- training ---------------------------------------------------------
 

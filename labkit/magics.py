@@ -7,6 +7,7 @@
                               train a zoo model under a strategy (see Lab.train)
     %lab slow 2 30ms          make rank 2 a straggler (off to undo)
     %lab seed 42 [--same]     seed every rank: 42 + rank (or 42 everywhere)
+    %lab run train.py --epochs 2   run a torchrun-style script, unmodified, on every rank
     %lab bench allreduce      time a collective over message sizes
     %%lab [--ranks 0,2] [--timeout 30]
     ...                       run the cell on every rank (or the given ones)
@@ -174,6 +175,7 @@ class LabMagics(Magics):
             [--dashboard]   (live dashboard, runs in the background; returns the run)
         %lab slow RANK 30ms | %lab slow RANK off      (a straggler on demand)
         %lab seed S [--same]    seed torch, numpy, random on every rank: S + rank (S everywhere with --same)
+        %lab run [--ranks 0,2] [--timeout S] script.py [args ...]   a torchrun-style script as __main__
         %lab bench allreduce|all_gather|reduce_scatter|broadcast [--sizes 1KB:16MB] [--iters N]
         %lab status | %lab timeout S | %lab restart | %lab stop
         %%lab [--ranks 0,2] [--timeout S]       run the cell on the ranks
@@ -194,6 +196,7 @@ class LabMagics(Magics):
             "train": self.train,
             "slow": self.slow,
             "seed": self.seed,
+            "run": self.run_script,
             "bench": self.bench,
         }
         if command not in handlers:
@@ -274,6 +277,23 @@ class LabMagics(Magics):
             raise UsageError("give one seed, a non-negative integer, e.g. %lab seed 42 (or %lab seed 42 --same)")
         seeds = lab.seed(int(values[0]), same=same)
         print(f"seeded torch, numpy and random on every rank: {'the same seed ' + str(seeds[0]) if same else seeds}")
+        return None
+
+    def run_script(self, words):
+        lab = self._require_lab()
+        options = {"--ranks": None, "--timeout": None}
+        while words and words[0] in options:  # options stand before the script; the rest is its own
+            if len(words) < 2:
+                raise UsageError(f"{words[0]} needs a value, e.g. %lab run --ranks 0,2 train.py")
+            options[words[0]], words = words[1], words[2:]
+        if not words:
+            raise UsageError("give the script, e.g. %lab run train.py --epochs 2")
+        try:
+            ranks = _rank_list(options["--ranks"]) if options["--ranks"] else None
+            timeout = _seconds(options["--timeout"]) if options["--timeout"] else None
+        except (ValueError, argparse.ArgumentTypeError) as error:
+            raise UsageError(f"%lab run: {error}") from None
+        lab.run_script(words[0], *words[1:], ranks=ranks, timeout=timeout)
         return None
 
     def bench(self, words):

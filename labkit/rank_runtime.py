@@ -228,6 +228,13 @@ class RankRuntime:
     def call(self, fn, args, kwargs, timeout_seconds: float) -> dict:
         return self._guarded(lambda: fn(*args, **kwargs), timeout_seconds, result_key="value")
 
+    def run_script(self, source: str, path: str, args: list[str], timeout_seconds: float) -> dict:
+        """Run a torchrun-style script as ``__main__`` (see ``script_runner``)."""
+        from .script_runner import run_script
+
+        work = lambda: run_script(source, path, args, self.rank, self.world_size, self.backend)  # noqa: E731
+        return self._guarded(work, timeout_seconds, result_key="value")
+
     def _guarded(self, work, timeout_seconds: float, result_key: str) -> dict:
         started = time.perf_counter()
         self.set_collective_timeout(timeout_seconds)
@@ -293,8 +300,11 @@ def classify_error(error: BaseException) -> str:
 
 def _user_traceback(error: BaseException) -> str:
     """The traceback from the user's code down, without the runtime's own frames."""
+    from . import script_runner
+
+    own = {__file__, script_runner.__file__}
     tb = error.__traceback__
-    while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+    while tb is not None and tb.tb_frame.f_code.co_filename in own:
         tb = tb.tb_next
     return "".join(traceback.format_exception(type(error), error, tb))
 
@@ -359,6 +369,10 @@ def run_cell(code: str, timeout_seconds: float) -> dict:
 
 def call(fn, args, kwargs, timeout_seconds: float) -> dict:
     return _runtime().call(fn, args, kwargs, timeout_seconds)
+
+
+def run_script(source: str, path: str, args: list[str], timeout_seconds: float) -> dict:
+    return _runtime().run_script(source, path, args, timeout_seconds)
 
 
 def seed(value: int, same: bool) -> int:
