@@ -1,6 +1,6 @@
 """Scripts written for torchrun run unmodified in the lab, with the same results (4 real ranks).
 
-Each script in ``tests/scripts`` is in the style of a public example (a DDP
+Each script in ``tests/scripts`` (and the workshop's DDP trainer) is in the style of a public example (a DDP
 trainer with argparse and a Trainer class, tensor parallelism with
 ``parallelize_module``, FSDP2's ``fully_shard``, a GPipe pipeline): its own
 ``init_process_group``, torchrun's variables, ``destroy_process_group`` at the
@@ -23,29 +23,30 @@ from .conftest import ipython_shell
 pytestmark = pytest.mark.lab
 
 SCRIPTS = Path(__file__).parent / "scripts"
+WORKSHOP_SCRIPTS = Path(__file__).parent.parent / "notebooks" / "scripts"  # the DDP trainer, shared with notebook 06
 RESULT = re.compile(r"^(?:\[rank \d+\] )?((?:world 4|tp|fsdp|pipeline) loss \S+ checksum \S+)$", re.MULTILINE)
 
 
-def under_torchrun(script: str, *args: str) -> str:
+def under_torchrun(script: Path, *args: str) -> str:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4",
-               str(SCRIPTS / script), *args]
+               str(script), *args]
     env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
-    finished = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env, cwd=SCRIPTS)
+    finished = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env, cwd=script.parent)
     assert finished.returncode == 0, finished.stderr[-3000:]
     return RESULT.findall(finished.stdout)
 
 
 @pytest.mark.parametrize("script, args", [
-    ("ddp_trainer.py", ("--epochs", "3")),
-    ("tp_example.py", ()),
-    ("fsdp2_example.py", ()),
-    ("pipeline_example.py", ()),
-])
+    (WORKSHOP_SCRIPTS / "ddp_trainer.py", ("--epochs", "3")),
+    (SCRIPTS / "tp_example.py", ()),
+    (SCRIPTS / "fsdp2_example.py", ()),
+    (SCRIPTS / "pipeline_example.py", ()),
+], ids=["ddp_trainer", "tp_example", "fsdp2_example", "pipeline_example"])
 def test_the_same_script_gives_the_same_result_as_under_torchrun(lab, capsys, script, args):
     expected = under_torchrun(script, *args)
     assert len(expected) == 1, expected
     capsys.readouterr()
-    lab.run_script(SCRIPTS / script, *args)
+    lab.run_script(script, *args)
     said = capsys.readouterr().out
     assert RESULT.findall(said) == expected  # bitwise: the same digits
     assert "init_process_group: the lab's process group is already in place" in said
