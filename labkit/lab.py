@@ -34,7 +34,7 @@ from .errors import (
 )
 from .instruments import set_slowdown, write_control
 from .mesh import MeshError, MeshSpec
-from .scripts import read_script
+from .scripts import notebook_sources, read_script
 from .status import LabStatus, collect_status
 from .metrics import DEFAULT_THRESHOLD
 from .training_run import launch_training
@@ -279,7 +279,7 @@ class Lab:
         ``timeout`` (seconds, default ``lab.timeout``) bounds the whole call.
         """
         ranks = self._targets(None)
-        reports = self._execute(ranks, rank_runtime.call, (fn, args, kwargs), timeout)
+        reports = self._execute(ranks, rank_runtime.call, (fn, args, kwargs, notebook_sources(fn)), timeout)
         return [reports[rank]["value"] for rank in ranks]
 
     def run_cell(

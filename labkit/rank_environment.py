@@ -1,4 +1,4 @@
-"""What a rank looks like to a program written for torchrun: its environment and its random state.
+"""What a rank looks like to a program written for torchrun: its environment, backend and random state.
 
 torchrun starts each process with variables that programs read (``RANK``,
 ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ...) and with its own random
@@ -55,3 +55,20 @@ def seed_independently() -> int:
     value = int.from_bytes(os.urandom(8), "little") % 2**63
     seed_all(value)
     return value
+
+
+def process_group_backend(backend: str) -> str:
+    """What ``init_process_group`` is given for the lab's backend.
+
+    nccl carries only CUDA tensors, but the lab's own traffic (agreeing to stop,
+    averaging the loss for a progress line, the verdict of a verification) is
+    small CPU tensors: gloo carries those beside nccl, in the same group.
+    """
+    return "cpu:gloo,cuda:nccl" if backend == "nccl" else backend
+
+
+def device_name(device: torch.device) -> str:
+    """'NVIDIA H200' for a GPU; 'cpu' otherwise."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return "cpu"

@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from .group_memory import forget_old_groups
 from .instruments import recorder_for
-from .rank_environment import seed_all, seed_independently, torchrun_environment
+from .rank_environment import device_name, process_group_backend, seed_all, seed_independently, torchrun_environment
 from .timed_group import instrument_mesh
 
 RUNTIME_NAME = "__labkit__"
@@ -87,6 +87,9 @@ class RankRuntime:
                 "mesh": self.mesh,
                 "torch": torch,
                 "dist": dist,
+                # IPython's exit would return and let the rest of the cell run: end the cell's code instead.
+                "exit": sys.exit,
+                "quit": sys.exit,
             }
         )
 
@@ -225,7 +228,10 @@ class RankRuntime:
 
         return self._guarded(body, timeout_seconds, result_key="display")
 
-    def call(self, fn, args, kwargs, timeout_seconds: float) -> dict:
+    def call(self, fn, args, kwargs, sources: dict | None, timeout_seconds: float) -> dict:
+        """Call ``fn``; ``sources`` (filename -> lines) lets tracebacks show notebook-defined code."""
+        for filename, lines in (sources or {}).items():
+            linecache.cache[filename] = (sum(map(len, lines)), None, lines, filename)
         return self._guarded(lambda: fn(*args, **kwargs), timeout_seconds, result_key="value")
 
     def run_script(self, source: str, path: str, args: list[str], timeout_seconds: float) -> dict:
@@ -236,10 +242,18 @@ class RankRuntime:
         return self._guarded(work, timeout_seconds, result_key="value")
 
     def _guarded(self, work, timeout_seconds: float, result_key: str) -> dict:
+        """Run user work: the lab's group stands in for the user's init/destroy, exit(0) succeeds."""
+        from .script_runner import ScriptExit, exit_code, lab_process_group
+
         started = time.perf_counter()
         self.set_collective_timeout(timeout_seconds)
         try:
-            value = work()
+            with lab_process_group(self.rank, self.world_size, self.backend):
+                value = work()
+        except SystemExit as exited:  # exit() or sys.exit() in a cell or function
+            if exit_code(exited.code):
+                return self._failed(ScriptExit(f"exited with code {exit_code(exited.code)}"), started)
+            value = None
         except BaseException as error:  # noqa: B036 - KeyboardInterrupt too: report, release peers
             return self._failed(error, started)
         finally:
@@ -258,7 +272,7 @@ class RankRuntime:
                 "error": {
                     "type": type(error).__name__,
                     "message": str(error),
-                    "traceback": _user_traceback(error),
+                    "traceback": _user_traceback(error) + _hint(error),
                     "kind": classify_error(error),
                 },
             }
@@ -270,23 +284,6 @@ class RankRuntime:
             signal.signal(signal.SIGINT, previous)
 
 
-def process_group_backend(backend: str) -> str:
-    """What ``init_process_group`` is given for the lab's backend.
-
-    nccl carries only CUDA tensors, but the lab's own traffic (agreeing to stop,
-    averaging the loss for a progress line, the verdict of a verification) is
-    small CPU tensors: gloo carries those beside nccl, in the same group.
-    """
-    return "cpu:gloo,cuda:nccl" if backend == "nccl" else backend
-
-
-def device_name(device: torch.device) -> str:
-    """'NVIDIA H200' for a GPU; 'cpu' otherwise."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return "cpu"
-
-
 def classify_error(error: BaseException) -> str:
     """'interrupted', 'collective' (failed because a peer failed or hung) or 'raised'."""
     if isinstance(error, KeyboardInterrupt):
@@ -296,6 +293,14 @@ def classify_error(error: BaseException) -> str:
     if distributed_error and any(marker in text for marker in _COLLATERAL_MARKERS):
         return "collective"
     return "raised"
+
+
+def _hint(error: BaseException) -> str:
+    """What to do about an error that ranks make where a single process would not."""
+    if isinstance(error, NameError):
+        return ("Hint: each rank has its own namespace. Names the notebook defined or imported are not on the "
+                "ranks: import inside the function, or run the import in a %%lab cell first.\n")
+    return ""
 
 
 def _user_traceback(error: BaseException) -> str:
@@ -367,8 +372,8 @@ def run_cell(code: str, timeout_seconds: float) -> dict:
     return _runtime().run_cell(code, timeout_seconds)
 
 
-def call(fn, args, kwargs, timeout_seconds: float) -> dict:
-    return _runtime().call(fn, args, kwargs, timeout_seconds)
+def call(fn, args, kwargs, sources: dict | None, timeout_seconds: float) -> dict:
+    return _runtime().call(fn, args, kwargs, sources, timeout_seconds)
 
 
 def run_script(source: str, path: str, args: list[str], timeout_seconds: float) -> dict:

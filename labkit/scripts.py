@@ -1,11 +1,15 @@
-"""The notebook's side of running a script on the ranks: find it and read it, or say why not.
+"""The notebook's side of sending code to the ranks: scripts to run, and the source of notebook functions.
 
-The source travels to the ranks with the work (``rank_runtime.run_script``),
-so what runs is what the notebook read, whatever the ranks' working folder.
+A script's source travels to the ranks with the work (``rank_runtime.run_script``),
+so what runs is what the notebook read, whatever the ranks' working folder. A
+function defined in a notebook cell has no file the ranks could read its lines
+from; its cell's lines travel with it, so a traceback on a rank shows them.
 """
 
 from __future__ import annotations
 
+import linecache
+import os
 from pathlib import Path
 
 from .errors import LabConfigError
@@ -26,3 +30,22 @@ def read_script(path) -> tuple[str, str]:
     except SyntaxError as error:
         raise LabConfigError(f"{path} does not compile, nothing was run: {error.msg} (line {error.lineno})") from None
     return source, str(script.resolve())
+
+
+def notebook_sources(fn) -> dict[str, list[str]]:
+    """{filename: lines} of the notebook cells ``fn`` (and functions it closes over) were defined in."""
+    sources, seen, pending = {}, set(), [fn]
+    while pending:
+        item = pending.pop()
+        code = getattr(item, "__code__", None)
+        if code is None or id(item) in seen:
+            continue
+        seen.add(id(item))
+        filename = code.co_filename
+        if filename not in sources and not os.path.exists(filename):
+            lines = linecache.getlines(filename)
+            if lines:
+                sources[filename] = lines
+        pending.extend(cell.cell_contents for cell in (getattr(item, "__closure__", None) or ())
+                       if callable(getattr(cell, "cell_contents", None)))
+    return sources

@@ -27,7 +27,8 @@ from .data import dataset_for, loss_function
 from .instruments import ControlChannel, Publisher, recorder_for
 from .memory import estimated_bytes, local_bytes, memory_bytes
 from .models import build_model
-from .rank_runtime import device_name, this_rank
+from .rank_environment import device_name
+from .rank_runtime import this_rank
 from .step_timer import StepTimer
 from .strategies import parallelize, shard_for_memory_estimate
 from .timed_group import instrument_mesh

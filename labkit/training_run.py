@@ -61,7 +61,7 @@ class TrainingRun:
             self.lab.cluster,
             ranks,
             rank_runtime.call,
-            (rank_train.train, (self.config,), {}, self.timeout),
+            (rank_train.train, (self.config,), {}, None, self.timeout),
             timeout=self.timeout,
             interrupt_grace=self.lab.interrupt_grace,
             # In the background, rank output would land in whatever cell runs then: keep it.

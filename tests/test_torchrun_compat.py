@@ -97,3 +97,35 @@ def test_seed_magic():
     finally:
         shell.run_line_magic("lab", "stop")
         shell.run_line_magic("unload_ext", "labkit")
+
+
+def test_init_destroy_and_exit_in_cells(lab, capsys):
+    lab.run_cell("dist.init_process_group('gloo')\ndist.destroy_process_group()")
+    said = capsys.readouterr().out
+    assert "the lab's process group is already in place" in said and "keeps its process group" in said
+    assert lab.run_cell("x = torch.ones(1)\ndist.all_reduce(x)\nx.item()") == ["4.0"] * 4  # still there
+    lab.run_cell("print('before')\nexit()\nprint('after exit(): must not run')")
+    said = capsys.readouterr().out
+    assert said.count("before") == 4 and "must not run" not in said
+    with pytest.raises(RankFailure, match="rank 3 raised ScriptExit: exited with code 2"):
+        lab.run_cell("import sys\nif rank == 3:\n    sys.exit(2)")
+    with pytest.raises(RankFailure, match="this lab's ranks run gloo"):
+        lab.run_cell("dist.init_process_group('nccl')")
+
+
+def test_notebook_functions_show_their_source_and_missing_imports_say_why(lab):
+    import linecache
+
+    # What IPython does with a notebook cell: code under a made-up file name, its lines in linecache.
+    cell = "def main():\n    total = 1\n    raise ValueError('deep inside main')\n"
+    filename = "<ipython-input-7-0123456789ab>"
+    linecache.cache[filename] = (len(cell), None, cell.splitlines(True), filename)
+    namespace = {"__name__": "__main__"}
+    exec(compile(cell, filename, "exec"), namespace)
+    with pytest.raises(RankFailure) as caught:
+        lab.run(namespace["main"])
+    assert "raise ValueError('deep inside main')" in caught.value.details()
+    with pytest.raises(RankFailure) as caught:
+        lab.run_cell("numpy_alias.zeros(3)")
+    assert "NameError: name 'numpy_alias' is not defined" in str(caught.value)
+    assert "import inside the function, or run the import in a %%lab cell" in caught.value.details()
