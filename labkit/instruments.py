@@ -82,7 +82,8 @@ class StepRecorder:
     """Rows of per-step measurements from CPU clocks; TimedGroups report collectives to it.
 
     The interface a TimedGroup and the loop use (``issued``, ``completed``,
-    ``waiting``, ``begin_step``, ``end_step``, ``finish``, ``clear``) is shared
+    ``waiting``, ``backward_watch``, ``watch_module_waits``, ``begin_step``,
+    ``end_step``, ``finish``, ``clear``) is shared
     with ``gpu_instruments.CudaStepRecorder``.
     """
 
@@ -121,6 +122,12 @@ class StepRecorder:
 
     def waiting(self):
         return contextlib.nullcontext()
+
+    def backward_watch(self, loss):
+        return contextlib.nullcontext()  # a blocked main thread shows in the CPU clocks already
+
+    def watch_module_waits(self, module) -> None:
+        """Nothing to bracket: see ``backward_watch``."""
 
     def clear(self) -> None:
         self.rows.clear()

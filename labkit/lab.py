@@ -178,8 +178,8 @@ class Lab:
 
         Until then each rank has its own random state, drawn when it started (a replaced
         rank draws afresh), as under torchrun. Returns the seeds."""
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise LabConfigError(f"a seed is a non-negative integer, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**63:
+            raise LabConfigError(f"a seed is an integer from 0 to 2**63 - 1, got {value!r}")
         return self.run(rank_runtime.seed, value, bool(same))
 
     # -- control of running work ----------------------------------------------

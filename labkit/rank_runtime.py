@@ -238,8 +238,7 @@ class RankRuntime:
         """Run a torchrun-style script as ``__main__`` (see ``script_runner``)."""
         from .script_runner import run_script
 
-        work = lambda: run_script(source, path, args, self.rank, self.world_size, self.backend)  # noqa: E731
-        return self._guarded(work, timeout_seconds, result_key="value")
+        return self._guarded(lambda: run_script(source, path, args), timeout_seconds, result_key="value")
 
     def _guarded(self, work, timeout_seconds: float, result_key: str) -> dict:
         """Run user work: the lab's group stands in for the user's init/destroy, exit(0) succeeds."""

@@ -103,13 +103,15 @@ def script_process(path: str, args: list[str]):
         sys.argv, sys.path[:] = argv, search_path
 
 
-def run_script(source: str, path: str, args: list[str], rank: int, world_size: int, backend: str) -> int:
+def run_script(source: str, path: str, args: list[str]) -> int:
     """Run ``source`` (the file at ``path``) as ``__main__``; return its exit status (0), or raise."""
     linecache.cache[path] = (len(source), None, source.splitlines(True), path)
     namespace = {"__name__": "__main__", "__file__": path, "__builtins__": builtins,
                  "exit": sys.exit, "quit": sys.exit}
     code = compile(source, path, "exec")
-    with script_process(path, args), lab_process_group(rank, world_size, backend):
+    # The lab's group stands in for the script's init/destroy: rank_runtime runs all
+    # user work inside ``lab_process_group`` already.
+    with script_process(path, args):
         try:
             exec(code, namespace)
         except SystemExit as exited:

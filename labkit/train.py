@@ -18,6 +18,7 @@ CUDA events read later. So the CPU prepares step n+1 while the GPU runs step n.
 from __future__ import annotations
 
 import contextlib
+import os
 
 import torch
 import torch.distributed as dist
@@ -104,8 +105,6 @@ class ScriptContext:
     """
 
     def __init__(self) -> None:
-        import os
-
         from torch.distributed.device_mesh import init_device_mesh
 
         self._init_device_mesh = init_device_mesh
@@ -219,7 +218,7 @@ def _train(config: TrainConfig, runtime) -> dict:
     reporter = parallel.owns_loss and all(index == 0 for name, index in coordinate.items() if name != "pp")
     recorder = runtime.recorder
     recorder.clear()  # rows and timeline describe this run only
-    if config.instruments and recorder.watches_waits:
+    if config.instruments:
         parallel.backward_watch = recorder.backward_watch
         recorder.watch_module_waits(parallel.module)
     control = ControlChannel(runtime.control_path if config.instruments else None, runtime.rank)

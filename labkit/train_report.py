@@ -22,6 +22,11 @@ NOISE_FACTOR = 10.0  # (see verify.py: one process summing in another order meas
 LARGEST_BOUND = 1e-3  # past this, rounding noise would hide real errors: never equal
 
 
+def equivalence_bound(rounding_noise: float) -> float:
+    """max(1e-5, 10 x rounding noise), never above 1e-3 (where noise would hide real errors)."""
+    return min(max(EQUIVALENCE_TOLERANCE, NOISE_FACTOR * rounding_noise), LARGEST_BOUND)
+
+
 @dataclass
 class TrainReport:
     config: TrainConfig
@@ -143,9 +148,7 @@ class TrainReport:
     @property
     def equivalence_bound(self) -> float | None:
         """The largest difference that is still rounding: max(1e-5, 10 x the run's rounding noise)."""
-        if self.verify is None:
-            return None
-        return min(self.verify.get("bound", EQUIVALENCE_TOLERANCE), LARGEST_BOUND)
+        return None if self.verify is None else equivalence_bound(self.verify.get("rounding_noise", 0.0))
 
     @property
     def equivalent(self) -> bool | None:

@@ -33,7 +33,7 @@ from .data import dataset_for, loss_function
 from .models import build_model
 from .train import control_tensor, make_optimizer
 from .train_config import TrainConfig
-from .train_report import EQUIVALENCE_TOLERANCE, NOISE_FACTOR
+from .train_report import equivalence_bound
 
 
 @torch.enable_grad()
@@ -102,7 +102,7 @@ def compare_with_reference(config: TrainConfig, parallel, device, steps: int) ->
         "model_moved": float(worst[1]),
         "max_elementwise_difference": float(worst[2]),
         "rounding_noise": noise,
-        "bound": max(EQUIVALENCE_TOLERANCE, NOISE_FACTOR * noise),
+        "bound": equivalence_bound(noise),
         "worst_parameter_here": worst_name,
         "parameters_compared_here": compared,
     }

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from labkit import RankFailure
+from labkit import LabConfigError, RankFailure
 
 from .conftest import ipython_shell
 
@@ -51,6 +51,9 @@ def test_every_rank_has_its_own_random_state_until_seeded(lab):
     assert shown(lab.run_cell("(torch.rand(1).item(), random.random(), float(numpy.random.rand()))")) == first
     assert len({draw[0] for draw in first}) == 4  # seed + rank: different on every rank
     assert lab.seed(7, same=True) == [7] * 4
+    for absurd in (-1, 2**64, 1.5, True):
+        with pytest.raises(LabConfigError, match="a seed is an integer"):
+            lab.seed(absurd)
     assert len(set(lab.run_cell("torch.rand(1).item()"))) == 1
 
 

@@ -42,8 +42,8 @@ def autocast_for(precision: str, device: torch.device, fsdp: bool = False):
 class ParallelModel:
     """This rank's share of the model and how to run a step on it.
 
-    ``backward_watch``, when set (the GPU instruments), is entered around each
-    backward pass: it notes where the device waits for gradient communication.
+    ``backward_watch(loss)`` is entered around each backward pass; the GPU
+    instruments set it to note where the device waits for gradient communication.
     """
 
     def __init__(self, module: nn.Module, loss_fn, micro_batches: int, runner=None, grad_sync=None,
@@ -54,7 +54,7 @@ class ParallelModel:
         self.runner = runner
         self.grad_sync = grad_sync
         self.autocast = autocast
-        self.backward_watch = None
+        self.backward_watch = lambda loss: contextlib.nullcontext()
 
     @property
     def owns_loss(self) -> bool:
@@ -78,7 +78,7 @@ class ParallelModel:
                 with _micro_step(self.module, last):
                     with self.autocast():
                         micro_loss = self.loss_fn(self.module(micro_inputs), micro_targets) / len(pairs)
-                    with self.backward_watch(micro_loss) if self.backward_watch else contextlib.nullcontext():
+                    with self.backward_watch(micro_loss):
                         micro_loss.backward()
                 loss = micro_loss.detach() if loss is None else loss + micro_loss.detach()
         if self.grad_sync is not None:
