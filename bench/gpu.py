@@ -16,7 +16,7 @@ when no CUDA GPU is visible. Parts:
    (~25M parameters), AdamW, fp32, global batch 32 and then 128, on one GPU:
    (a) a plain PyTorch loop in this process (the same model and data, AdamW's
    default settings, losses read every 10 steps), (b) the lab's loop
-   (``labkit.train.train``) under ``torchrun --standalone --nproc_per_node 1``,
+   (``labkit.rank.loop.train``) under ``torchrun --standalone --nproc_per_node 1``,
    (c) ``lab.train("ddp", ...)`` on a 1-rank nccl lab without instruments and
    (d) with them. Per-step times from CUDA events, warm-up steps left out, medians
    over ``--repeats`` runs of each, the order alternating (no new round once one
@@ -64,9 +64,9 @@ if str(ROOT) not in sys.path:  # a bare checkout with nothing installed (the GPU
 import torch  # noqa: E402
 
 from labkit import Lab  # noqa: E402
+from labkit.strategies.catalog import compositions  # noqa: E402
 
 PARTS = ("performance", "correctness", "mixed_precision", "collective", "instrument_accuracy")
-ALL_STRATEGIES = ("ddp", "fsdp", "tp", "pp", "fsdp+tp", "ddp+tp", "ddp+pp", "fsdp+pp", "pp+tp")
 MESH_ON_4 = {"fsdp+tp": dict(dp=2, tp=2), "ddp+tp": dict(dp=2, tp=2), "ddp+pp": dict(dp=2, pp=2),
              "fsdp+pp": dict(dp=2, pp=2), "pp+tp": dict(pp=2, tp=2)}
 TARGETS = {"lab/torchrun": 1.03, "lab/plain": 1.05, "instruments on/off": 1.03}
@@ -86,8 +86,8 @@ if backend == "nccl":
     dist.init_process_group("cpu:gloo,cuda:nccl")  # as the lab's ranks: small CPU tensors beside nccl
 else:
     dist.init_process_group("gloo")
-from labkit.train import ScriptContext, train
-from labkit.train_config import resolve
+from labkit.rank.loop import ScriptContext, train
+from labkit.spec.train_config import resolve
 
 context = ScriptContext()
 times = [train(resolve(dist.get_world_size(), **settings), context)["step_seconds"] for settings in runs]
@@ -264,9 +264,9 @@ def print_environment(info: dict) -> None:
 
 def plain_loop(plan: Plan, batch: int) -> dict:
     """(a) The loop a careful user writes: same model and data, AdamW's defaults, losses read every 10 steps."""
-    from labkit.data import dataset_for
-    from labkit.model_configs import model_config
-    from labkit.models import build_model
+    from labkit.zoo.data import dataset_for
+    from labkit.zoo.configs import model_config
+    from labkit.zoo.models import build_model
 
     device = torch.device(plan.device)
     config = model_config("gpt", **plan.big)
@@ -399,7 +399,7 @@ def performance(lab: Lab, plan: Plan, checks: list[Check], env: dict) -> dict:
     print(table(["batch", "plain", "torchrun", "lab", "lab+instr", "plain wall", *TARGETS], rows))
     print(f"(medians of {rounds} runs; per-step times from {'CUDA events' if plan.cuda else 'perf_counter'}, "
           f"first {plan.warmup} steps left out; 'plain wall': its wall time per step, data generation included; "
-          f"plain uses AdamW's defaults, the lab labkit.train.make_optimizer)")
+          f"plain uses AdamW's defaults, the lab labkit.rank.loop.make_optimizer)")
     return result
 
 
@@ -407,7 +407,7 @@ def performance(lab: Lab, plan: Plan, checks: list[Check], env: dict) -> dict:
 
 
 def strategies_for(ranks: int) -> tuple[str, ...]:
-    return ALL_STRATEGIES if ranks >= 4 else ("ddp", "fsdp", "tp", "pp") if ranks >= 2 else ("ddp", "fsdp")
+    return compositions(ranks) if ranks >= 2 else ("ddp", "fsdp")
 
 
 def row_problems(report, communicates: bool) -> list[str]:
@@ -518,8 +518,8 @@ def mixed_precision(lab: Lab, plan: Plan, checks: list[Check]) -> dict:
 
 
 def parameter_count(settings: dict) -> int:
-    from labkit.model_configs import model_config
-    from labkit.models import build_model
+    from labkit.zoo.configs import model_config
+    from labkit.zoo.models import build_model
 
     return sum(p.numel() for p in build_model("gpt", model_config("gpt", **settings), 0, "meta").parameters())
 

@@ -8,7 +8,9 @@ For every N, interleaved so that machine noise hits both sides alike, it measure
   lab cold    the same from a fresh interpreter (python -c "from labkit import Lab; ..."),
               which is what torchrun's number includes too;
   torchrun    `torchrun --standalone --nproc_per_node N` of a script that does one all-reduce.
-Then, on a running 4-rank lab, the warm latency of a new cell that all-reduces.
+Then, on a running 4-rank lab, the warm latency of a new cell that all-reduces; and, in a
+fresh interpreter, the notebook side alone: ``%load_ext labkit`` plus ``Lab(ranks=4)``
+(no ranks started), with the heavy libraries that loaded (none, by design).
 Medians over the repeats; ratios are taken within this one run. Writes
 bench/results/startup.json and prints a table.
 """
@@ -63,6 +65,26 @@ def time_lab_start(ranks: int) -> float:
     return elapsed
 
 
+NOTEBOOK_SIDE_SCRIPT = """
+import sys, time
+from IPython.core.interactiveshell import InteractiveShell
+shell = InteractiveShell.instance()
+began = time.perf_counter()
+shell.run_line_magic("load_ext", "labkit")
+from labkit import Lab
+Lab(ranks=4)
+took = time.perf_counter() - began
+print(took, ",".join(m for m in ("torch", "matplotlib", "ipywidgets") if m in sys.modules))
+"""
+
+
+def time_notebook_side() -> tuple[float, str]:
+    """Seconds for ``%load_ext labkit`` + ``Lab(ranks=4)`` in a fresh interpreter, and what heavy modules loaded."""
+    done = subprocess.run([sys.executable, "-c", NOTEBOOK_SIDE_SCRIPT], capture_output=True, text=True, check=True)
+    seconds, _, loaded = done.stdout.strip().partition(" ")
+    return float(seconds), loaded
+
+
 def time_command(command: list[str]) -> float:
     began = time.perf_counter()
     subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -104,6 +126,9 @@ def main() -> None:
                 print(f"repeat {repeat + 1}/{options.repeats}, N={ranks}: "
                       + ", ".join(f"{k} {v[ranks][-1]:.2f} s" for k, v in samples.items()), flush=True)
     warm = time_warm_cells(4, options.warm_cells)
+    notebook_side = [time_notebook_side() for _ in range(max(3, options.repeats))]
+    notebook_seconds = statistics.median(seconds for seconds, _ in notebook_side)
+    heavy_loaded = sorted({name for _, loaded in notebook_side for name in loaded.split(",") if name})
 
     median = {kind: {n: statistics.median(v) for n, v in by_n.items()} for kind, by_n in samples.items()}
     warm_median = statistics.median(warm)
@@ -123,6 +148,8 @@ def main() -> None:
         print(f"{n:>3}  {median['lab start'][n]:>10.2f}  {median['lab cold'][n]:>9.2f}  {median['torchrun'][n]:>9.2f}")
     print(f"warm cell with one all-reduce, 4 ranks: median {warm_median * 1000:.1f} ms "
           f"(p90 {sorted(warm)[int(0.9 * len(warm)) - 1] * 1000:.1f} ms, {len(warm)} cells)")
+    print(f"notebook side (%load_ext labkit + Lab(ranks=4), fresh interpreter): median {notebook_seconds:.3f} s; "
+          f"heavy libraries loaded: {', '.join(heavy_loaded) or 'none'}")
     for name, value in ratios.items():
         print(f"{name}: {value:.2f}")
 
@@ -134,6 +161,8 @@ def main() -> None:
         "samples": {kind: {str(n): v for n, v in by_n.items()} for kind, by_n in samples.items()},
         "median_seconds": {kind: {str(n): v for n, v in by_n.items()} for kind, by_n in median.items()},
         "warm_cell_seconds": warm,
+        "notebook_side_seconds": [seconds for seconds, _ in notebook_side],
+        "notebook_side_heavy_modules": heavy_loaded,
         "ratios": ratios,
     }, indent=2))
     print(f"\nwrote {RESULTS.relative_to(Path.cwd()) if RESULTS.is_relative_to(Path.cwd()) else RESULTS}")

@@ -9,7 +9,7 @@ per rank and step (from the mesh's timed process groups), and parameter + gradie
 optimizer bytes on the fullest rank.
 
 Part 2, the overhead: DDP on the MLP 256-1024-256, global batch 64, 4 ranks with
-one thread each, the same training loop (``labkit.train.train``) run in the lab
+one thread each, the same training loop (``labkit.rank.loop.train``) run in the lab
 and under ``torchrun --standalone``, ``--repeats`` times, alternating which goes
 first; the ratio of median step times. Writes bench/results/strategies.json.
 """
@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 from labkit import Lab
-from labkit.train_config import format_bytes
+from labkit.units import format_bytes
 
 RESULTS = Path(__file__).resolve().parent / "results" / "strategies.json"
 GPT = dict(dim=64, heads=4, layers=4, seq=32, vocab=64)
@@ -52,8 +52,8 @@ TORCHRUN_SCRIPT = """
 import json, sys, torch, torch.distributed as dist
 torch.set_num_threads(1)
 dist.init_process_group("gloo")
-from labkit.train import ScriptContext, train
-from labkit.train_config import resolve
+from labkit.rank.loop import ScriptContext, train
+from labkit.spec.train_config import resolve
 settings = json.loads(sys.argv[1])
 config = resolve(dist.get_world_size(), **settings)
 result = train(config, ScriptContext())

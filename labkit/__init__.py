@@ -14,21 +14,21 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "Lab": "labkit.lab",
-    "MeshSpec": "labkit.mesh",
-    "MeshError": "labkit.mesh",
-    "DeviceError": "labkit.devices",
-    "LabError": "labkit.errors",
-    "LabConfigError": "labkit.errors",
-    "MemoryBudgetError": "labkit.budget",
-    "StartupError": "labkit.errors",
-    "RankFailure": "labkit.errors",
-    "RankTimeout": "labkit.errors",
-    "RankInterrupted": "labkit.errors",
-    "LabNotRunning": "labkit.errors",
-    "LabBusy": "labkit.errors",
-    "TrainingRun": "labkit.training_run",
-    "TrainReport": "labkit.train_report",
-    "this_rank": "labkit.rank_runtime",
+    "MeshSpec": "labkit.spec.mesh",
+    "MeshError": "labkit.spec.mesh",
+    "DeviceError": "labkit.cluster.placement",
+    "LabError": "labkit.spec.errors",
+    "LabConfigError": "labkit.spec.errors",
+    "MemoryBudgetError": "labkit.runs.budget",
+    "StartupError": "labkit.spec.errors",
+    "RankFailure": "labkit.spec.errors",
+    "RankTimeout": "labkit.spec.errors",
+    "RankInterrupted": "labkit.spec.errors",
+    "LabNotRunning": "labkit.spec.errors",
+    "LabBusy": "labkit.spec.errors",
+    "TrainingRun": "labkit.runs.training_run",
+    "TrainReport": "labkit.views.train_report",
+    "this_rank": "labkit.rank.entry",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -42,7 +42,7 @@ def __getattr__(name: str):
 
 def load_ipython_extension(shell) -> None:
     """``%load_ext labkit``: register the ``%lab`` magics (the lab itself starts on ``%lab start``)."""
-    from .magics import LabMagics
+    from labkit.magics import LabMagics
 
     magics = LabMagics(shell)
     shell.register_magics(magics)

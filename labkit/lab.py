@@ -5,55 +5,29 @@
         lab.mesh(dp=2, tp=2)               # a named device mesh on every rank
         lab.run(lambda: dist.get_rank())   # -> [0, 1, 2, 3]
 
-A ``Lab`` owns one ``RankCluster`` (the processes) and the process group on top
-of it. Every piece of work runs under a time limit; when work fails on any rank
-the lab brings stuck ranks back, rebuilds the process group (and the mesh) on a
-fresh rendezvous store, and raises one ``RankFailure`` that tells what happened
-on which rank. The next call finds a working lab.
+A ``Lab`` checks what it is asked and hands the work to its ``Session``, which
+owns the ranks. Every piece of work runs under a time limit; when work fails on
+any rank the session brings stuck ranks back, rebuilds the process group (and
+the mesh) on a fresh rendezvous store, and raises one ``RankFailure`` that tells
+what happened on which rank. The next call finds a working lab.
 """
 
 from __future__ import annotations
 
-import atexit
-import time
-import weakref
-
-from . import rank_runtime
-from .cluster import RankCluster
-from .devices import RankPlan, plan_ranks
-from .dispatch import RankWork, make_output
-from .errors import (
-    LabBusy,
-    LabConfigError,
-    LabError,
-    LabNotRunning,
-    RankFailure,
-    RankInterrupted,
-    RankTimeout,
-    format_ranks,
-)
-from .instruments import set_slowdown, write_control
-from .mesh import MeshError, MeshSpec
-from .scripts import notebook_sources, read_script
-from .status import LabStatus, collect_status
-from .metrics import DEFAULT_THRESHOLD
-from .training_run import launch_training
+from labkit.cluster.placement import RankPlan, plan_ranks
+from labkit.rank import entry
+from labkit.runs.sources import read_script
+from labkit.runs.status import LabStatus, collect_status
+from labkit.runs.training_run import launch_training
+from labkit.session import Session
+from labkit.spec.errors import LabConfigError
+from labkit.spec.mesh import MeshError, MeshSpec
+from labkit.units import positive_seconds
+from labkit.views.metrics import DEFAULT_THRESHOLD
 
 DEFAULT_TIMEOUT = 300.0
 DEFAULT_START_TIMEOUT = 60.0
 DEFAULT_INTERRUPT_GRACE = 5.0
-
-
-def _positive_seconds(name: str, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
-    return float(value)
-
-
-def _stop_at_exit(lab_ref) -> None:
-    lab = lab_ref()
-    if lab is not None:
-        lab.stop()
 
 
 class Lab:
@@ -76,31 +50,66 @@ class Lab:
         interrupt_grace: float = DEFAULT_INTERRUPT_GRACE,
     ) -> None:
         # Everything is checked here, before a single process starts.
-        self.plan: RankPlan = plan_ranks(ranks, backend=backend, threads_per_rank=threads_per_rank)
-        self.timeout = _positive_seconds("timeout", timeout)
-        self.start_timeout = _positive_seconds("start_timeout", start_timeout)
-        self.interrupt_grace = _positive_seconds("interrupt_grace", interrupt_grace)
-        self.cluster: RankCluster | None = None
-        self.generation = 0
-        self.mesh_spec: MeshSpec | None = None
-        self.started_seconds: float | None = None
-        self._atexit = None
-        self._active_run = None  # a TrainingRun in flight: the ranks are busy with it
-        self._control = {"stop": False, "slow": {}}
+        plan: RankPlan = plan_ranks(ranks, backend=backend, threads_per_rank=threads_per_rank)
+        self.session = Session(
+            plan,
+            timeout=positive_seconds("timeout", timeout),
+            start_timeout=positive_seconds("start_timeout", start_timeout),
+            interrupt_grace=positive_seconds("interrupt_grace", interrupt_grace),
+        )
 
     # -- identity -----------------------------------------------------------
 
     @property
+    def plan(self) -> RankPlan:
+        return self.session.plan
+
+    @property
     def world_size(self) -> int:
-        return self.plan.ranks
+        return self.session.world_size
 
     @property
     def backend(self) -> str:
-        return self.plan.backend
+        return self.session.plan.backend
 
     @property
     def running(self) -> bool:
-        return self.cluster is not None
+        return self.session.running
+
+    @property
+    def cluster(self):
+        """The processes behind the ranks (pids, engines, logs); None when stopped."""
+        return self.session.cluster
+
+    @property
+    def generation(self) -> int:
+        """How many times the process group was formed since start (it is rebuilt after failures)."""
+        return self.session.generation
+
+    @property
+    def mesh_spec(self) -> MeshSpec | None:
+        return self.session.mesh_spec
+
+    @property
+    def started_seconds(self) -> float | None:
+        return self.session.started_seconds
+
+    @property
+    def timeout(self) -> float:
+        """The default limit in seconds for each piece of work (``%lab timeout`` sets it)."""
+        return self.session.timeout
+
+    @timeout.setter
+    def timeout(self, seconds: float) -> None:
+        self.session.timeout = positive_seconds("timeout", seconds)
+
+    @property
+    def start_timeout(self) -> float:
+        return self.session.start_timeout
+
+    @property
+    def interrupt_grace(self) -> float:
+        return self.session.interrupt_grace
 
     def __repr__(self) -> str:
         state = f"running, generation {self.generation}" if self.running else "stopped"
@@ -111,38 +120,12 @@ class Lab:
 
     def start(self) -> "Lab":
         """Start the ranks and form the process group. A running lab is reused."""
-        if self.running:
-            if all(self.cluster.is_alive(rank) for rank in range(self.world_size)):
-                return self
-            self.stop()
-        began = time.monotonic()
-        cluster = RankCluster(self.plan, start_timeout=self.start_timeout)
-        cluster.start()
-        self.cluster = cluster
-        self._atexit = lambda ref=weakref.ref(self): _stop_at_exit(ref)
-        atexit.register(self._atexit)
-        try:
-            self._form_group()
-            self._check_group()
-        except BaseException:
-            self.stop()
-            raise
-        self.started_seconds = time.monotonic() - began
+        self.session.start()
         return self
 
     def stop(self) -> None:
         """Stop every process of the lab; nothing is left running. Safe to call twice."""
-        run = self._active_run
-        if run is not None and not run.done:
-            run.stop()  # let a background run end at a step boundary before the ranks go
-            run._done.wait(10)
-        cluster, self.cluster = self.cluster, None
-        if cluster is not None:
-            cluster.stop()
-        if self._atexit is not None:
-            atexit.unregister(self._atexit)
-            self._atexit = None
-        self.generation = 0
+        self.session.stop()
 
     def restart(self) -> "Lab":
         """Stop and start again with fresh processes (the mesh spec is kept)."""
@@ -155,24 +138,6 @@ class Lab:
     def __exit__(self, *exc_info) -> None:
         self.stop()
 
-    def _require_running(self) -> RankCluster:
-        if self.cluster is None:
-            raise LabNotRunning("the lab is not running: call lab.start() (or %lab start) first")
-        return self.cluster
-
-    def _require_idle(self) -> RankCluster:
-        cluster = self._require_running()
-        if self._active_run is not None and not self._active_run.done:
-            raise LabBusy(
-                f"a training run is in progress ({self._active_run.status()}): "
-                "wait for it (run.wait()) or stop it (run.stop(), or its Stop button) first"
-            )
-        return cluster
-
-    def _release(self, run) -> None:
-        if self._active_run is run:
-            self._active_run = None
-
     def seed(self, value: int, same: bool = False) -> list[int]:
         """Seed torch, numpy and ``random`` on every rank: ``value + rank``, or ``value`` with ``same``.
 
@@ -180,15 +145,9 @@ class Lab:
         rank draws afresh), as under torchrun. Returns the seeds."""
         if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**63:
             raise LabConfigError(f"a seed is an integer from 0 to 2**63 - 1, got {value!r}")
-        return self.run(rank_runtime.seed, value, bool(same))
+        return self.session.run(entry.seed, value, bool(same))
 
     # -- control of running work ----------------------------------------------
-
-    def _write_control(self, stop: bool | None = None) -> None:
-        if stop is not None:
-            self._control["stop"] = stop
-        if self.cluster is not None and self.cluster.workdir is not None:
-            write_control(self.cluster.control_path, self._control)
 
     def slow(self, rank: int, seconds: float | None) -> str:
         """Make ``rank`` busy-wait ``seconds`` more each training step (None or 0: back to normal).
@@ -196,80 +155,10 @@ class Lab:
         For teaching: a straggler on demand. Takes effect at the rank's next
         step, also during a run; training rows record it, so the dashboard marks it.
         """
-        self._require_running()
-        message = set_slowdown(self._control, rank, seconds, self.world_size)
-        self._write_control()
-        return message
-
-    # -- process group --------------------------------------------------------
-
-    def _form_group(self) -> None:
-        """A fresh rendezvous store on rank 0, every rank joins, the mesh is rebuilt."""
-        self.generation += 1
-        limit = self.start_timeout
-        port = self._call_entry([0], rank_runtime.open_store, (limit,), limit)[0]
-        self._call_entry(range(self.world_size), rank_runtime.join_group, (port, self.generation, limit), limit)
-        if self.mesh_spec is not None:
-            self._build_mesh(self.mesh_spec)
-
-    def _check_group(self) -> None:
-        sums = self._call_entry(range(self.world_size), rank_runtime.all_reduce_check, (), self.start_timeout)
-        if any(value != self.world_size for value in sums):
-            raise LabError(f"the first all-reduce gave {sums}, expected {self.world_size} on every rank")
-
-    def _call_entry(self, ranks, entry, args, timeout):
-        """Run a runtime entry point that is not user work, on ``ranks``, within ``timeout``."""
-        return self._require_idle().call(ranks, entry, args, timeout)
-
-    def _recover(self, work: RankWork) -> str:
-        """After failed work: rebuild the process group so the next call works."""
-        cluster = self._require_running()
-        dead = [rank for rank in range(self.world_size) if not cluster.is_alive(rank)]
-        if dead:
-            cluster.replace(dead)
-        try:
-            self._form_group()
-        except LabError:
-            # Some rank cannot even rejoin: start it afresh and try once more.
-            cluster.replace(range(self.world_size))
-            self._form_group()
-        replaced = sorted(set(dead) | set(work.replaced))
-        note = f"The process group was rebuilt (generation {self.generation})"
-        if self.mesh_spec is not None:
-            note += f" with mesh {self.mesh_spec.describe()}"
-        if replaced:
-            note += f"; {format_ranks(replaced)} restarted with empty namespaces"
-        return note + "; the lab is ready for the next cell."
+        self.session.require_running()
+        return self.session.control.set_slowdown(rank, seconds, self.world_size)
 
     # -- running work ---------------------------------------------------------
-
-    def _targets(self, ranks) -> list[int]:
-        if ranks is None:
-            return list(range(self.world_size))
-        targets = sorted(set(int(rank) for rank in ranks))
-        wrong = [rank for rank in targets if not 0 <= rank < self.world_size]
-        if wrong or not targets:
-            raise ValueError(f"ranks must be between 0 and {self.world_size - 1}, got {list(ranks)}")
-        return targets
-
-    def _limit(self, timeout) -> float:
-        return self.timeout if timeout is None else _positive_seconds("timeout", timeout)
-
-    def _execute(self, ranks, entry, args, timeout, live=None, show_values=False) -> dict[int, dict]:
-        cluster = self._require_idle()
-        limit = self._limit(timeout)
-        work = RankWork(cluster, ranks, entry, (*args, limit), timeout=limit, interrupt_grace=self.interrupt_grace,
-                        output=make_output(ranks, live=live, show_values=show_values))
-        reports = work.wait()
-        if not work.failed:
-            return reports
-        try:
-            recovery = self._recover(work)
-        except LabError as error:
-            recovery = f"The process group could not be rebuilt ({error}); call lab.restart() (or %lab restart)."
-        kind = RankInterrupted if work.interrupted else RankTimeout if work.timed_out else RankFailure
-        raise kind(reports, timed_out=work.timed_out, timeout_seconds=limit, interrupted=work.interrupted,
-                   replaced=tuple(work.replaced), recovery=recovery)
 
     def run(self, fn, *args, timeout: float | None = None, **kwargs) -> list:
         """Call ``fn(*args, **kwargs)`` on every rank; return the results in rank order.
@@ -278,9 +167,7 @@ class Lab:
         in the notebook, so ``rank``, ``world_size``, ``mesh``, ``dist`` work in it.
         ``timeout`` (seconds, default ``lab.timeout``) bounds the whole call.
         """
-        ranks = self._targets(None)
-        reports = self._execute(ranks, rank_runtime.call, (fn, args, kwargs, notebook_sources(fn)), timeout)
-        return [reports[rank]["value"] for rank in ranks]
+        return self.session.run(fn, *args, timeout=timeout, **kwargs)
 
     def run_cell(
         self, code: str, ranks=None, timeout: float | None = None, live: bool | None = None, show_values: bool = False
@@ -291,8 +178,8 @@ class Lab:
         ``show_values`` also prints them as ``[rank r] Out: ...``, as ``%%lab`` does.
         ``live`` forces (True) or avoids (False) the redrawn notebook display.
         """
-        targets = self._targets(ranks)
-        reports = self._execute(targets, rank_runtime.run_cell, (code,), timeout, live=live, show_values=show_values)
+        targets = self.session.targets(ranks)
+        reports = self.session.execute(targets, entry.run_cell, (code,), timeout, live=live, show_values=show_values)
         return [reports[rank].get("display") for rank in targets]
 
     def run_script(self, path: str, *args, ranks=None, timeout: float | None = None) -> None:
@@ -302,16 +189,18 @@ class Lab:
         ``destroy_process_group()`` leaves it, ``sys.exit(0)`` succeeds (see ``script_runner``).
         """
         source, where = read_script(path)
-        self._execute(self._targets(ranks), rank_runtime.run_script, (source, where, [str(a) for a in args]), timeout)
+        self.session.execute(self.session.targets(ranks), entry.run_script, (source, where, [str(a) for a in args]),
+                             timeout)
 
     # -- training ---------------------------------------------------------
 
     def train(
         self,
-        strategy: str = "ddp",
-        model: str = "mlp",
-        steps: int = 20,
+        strategy: str | None = None,
+        model: str | None = None,
+        steps: int | None = None,
         mesh: dict | None = None,
+        resume: bool = False,
         timeout: float | None = None,
         dashboard: bool = False,
         background: bool = False,
@@ -320,8 +209,13 @@ class Lab:
     ):
         """Train a zoo model on every rank under ``strategy``.
 
-        strategy: ddp, fsdp, tp, pp, or a composition such as fsdp+tp, ddp+pp, pp+tp.
-        model: 'mlp' or 'gpt' (``model_settings=dict(dim=128, layers=8)`` resizes it).
+        strategy: ddp (default), fsdp, tp, pp, or a composition such as fsdp+tp, ddp+pp, pp+tp.
+        steps: 20 by default.
+        model: 'mlp' (default) or 'gpt' (``model_settings=dict(dim=128, layers=8)`` resizes it).
+        resume: continue the last run for ``steps`` more steps, from the model,
+        optimizer, data position and random state the ranks kept; its settings
+        carry over, and only its length and reporting may change. The result is
+        the same as one run of all the steps.
         mesh: axis sizes for a composition, e.g. ``dict(dp=2, tp=2)`` (default: the
         lab's mesh when its axes fit, else the most even split that fits; it says which).
         dashboard: draw throughput, compute/communication, collectives, loss and
@@ -339,8 +233,8 @@ class Lab:
         peak_tflops (one device's peak, for MFU where the lab knows none).
         Everything is checked before any rank does work.
         """
-        run = launch_training(self, dict(strategy=strategy, model=model, steps=steps, **settings), mesh,
-                              self._limit(timeout), dashboard, background, straggler_threshold)
+        run = launch_training(self.session, dict(strategy=strategy, model=model, steps=steps, **settings), mesh,
+                              self.session.limit(timeout), dashboard, background, straggler_threshold, resume)
         return run if background else run.wait()
 
     # -- mesh -------------------------------------------------------------
@@ -357,30 +251,14 @@ class Lab:
                 raise MeshError(f"no mesh yet: give its axes, e.g. lab.mesh(dp={self.world_size})")
             return self.mesh_spec
         spec = MeshSpec.from_axes(axes, self.world_size)
-        self._require_running()
-        try:
-            self._build_mesh(spec)
-        except LabError:
-            # Leave the lab as it was: a working group with the previous mesh.
-            self._form_group()
-            raise
-        self.mesh_spec = spec
+        self.session.set_mesh(spec)
         return spec
-
-    def _build_mesh(self, spec: MeshSpec) -> None:
-        ranks = range(self.world_size)
-        args = (list(spec.shape), list(spec.names))
-        coordinates = self._call_entry(ranks, rank_runtime.build_mesh, args, self.start_timeout)
-        for rank, reported in zip(ranks, coordinates):
-            if tuple(reported) != spec.coordinate(rank):
-                raise LabError(f"rank {rank} reports mesh coordinate {tuple(reported)}, expected {spec.coordinate(rank)}")
 
     # -- status -----------------------------------------------------------
 
     def status(self, timeout: float = 10.0) -> LabStatus:
         """Every rank: process, liveness, device, process group generation, coordinate."""
-        busy = self._active_run is not None and not self._active_run.done
-        return collect_status(self, timeout, training=self._active_run.status() if busy else None)
+        return collect_status(self.session, timeout)
 
     # -- collective benchmark ---------------------------------------------
 
@@ -391,6 +269,6 @@ class Lab:
         Returns a ``CollectiveBench``: the slowest rank's time per size, algorithm
         and bus bandwidth, and the machine's memory-copy bandwidth as the ceiling.
         """
-        from .collective_bench import run_benchmark
+        from labkit.runs.bench import run_benchmark
 
-        return run_benchmark(self, operation, sizes, iterations, warmup, self._limit(timeout))
+        return run_benchmark(self.session, operation, sizes, iterations, warmup, self.session.limit(timeout))

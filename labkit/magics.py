@@ -22,15 +22,16 @@ Each magic parses its words and calls one method of the ``Lab`` it holds; the
 from __future__ import annotations
 
 import argparse
-import re
 import shlex
 import time
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 
-from .lab import Lab
-from .mesh import MeshSpec
+from labkit.lab import Lab
+from labkit.spec.mesh import MeshSpec
+from labkit.strategies.catalog import CATALOG, settings_by_name
+from labkit.units import parse_duration, positive_seconds, power_of_two_range
 
 
 class _Parser(argparse.ArgumentParser):
@@ -41,10 +42,10 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _seconds(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
-    return value
+    try:
+        return positive_seconds("a time limit", float(text))
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def _rank_list(text: str) -> list[int]:
@@ -67,45 +68,59 @@ def _settings(text: str) -> dict:
     return settings
 
 
-_BINARY = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}
-
-
-def _binary_size(text: str) -> int:
-    """``4KB`` or ``4KiB`` -> 4096: message sizes are powers of two, so units are binary."""
-    match = re.fullmatch(r"\s*(\d+)\s*([KMG]?)(?:i?B)?\s*", text, re.IGNORECASE)
-    if not match:
-        raise argparse.ArgumentTypeError(f"write a size like 4KB or 16MB, got {text!r}")
-    return int(match.group(1)) * _BINARY[match.group(2).upper()]
-
-
 def _size_range(text: str) -> list[int]:
-    """``1KB:16MB`` -> every power of two from 1 KiB to 16 MiB."""
-    low, _, high = text.partition(":")
-    low_bytes, high_bytes = _binary_size(low), _binary_size(high or low)
-    sizes, size = [], 1
-    while size < low_bytes:
-        size *= 2
-    while size <= high_bytes:
-        sizes.append(size)
-        size *= 2
-    if not sizes:
-        raise argparse.ArgumentTypeError(f"no power of two between {low} and {high or low}")
-    return sizes
+    """``1KB:16MB`` -> every power of two from 1 KiB to 16 MiB (see ``labkit.units``)."""
+    try:
+        return power_of_two_range(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def _duration(text: str) -> float | None:
     """``30ms`` -> 0.03, ``0.5s`` or ``0.5`` -> 0.5, ``off`` -> None."""
-    text = text.strip().lower()
-    if text in ("off", "0", "none"):
-        return None
-    scale = 1e-3 if text.endswith("ms") else 1.0
     try:
-        value = float(text.removesuffix("ms").removesuffix("s")) * scale
-    except ValueError:
-        raise UsageError(f"write the delay like 30ms or 0.03s (or off), got {text!r}") from None
-    if value < 0:
-        raise UsageError("a delay cannot be negative")
-    return value
+        return parse_duration(text)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+
+
+def _train_parser():
+    """``%lab train``'s options: only the ones given reach ``Lab.train``, whose defaults apply.
+
+    Each strategy's own settings come from the catalog, so a new strategy brings its options."""
+    train = _Parser(prog="%lab train", add_help=False, argument_default=argparse.SUPPRESS)
+    train.add_argument("--strategy", help=f"{', '.join(CATALOG)} or a composition like fsdp+tp")
+    train.add_argument("--model", choices=("mlp", "gpt"))
+    train.add_argument("--steps", type=int)
+    train.add_argument("--resume", action="store_true", help="continue the last run from where it stopped")
+    train.add_argument("--mesh", help="axis sizes for a composition, e.g. dp=2,tp=2")
+    train.add_argument("--batch", type=int, dest="global_batch", help="global batch (samples per step)")
+    train.add_argument("--micro-batches", type=int,
+                       help="accumulation steps; pipeline microbatches (default: the number of stages under pp, else 1)")
+    train.add_argument("--lr", type=float)
+    train.add_argument("--optimizer", choices=("adamw", "sgd"))
+    train.add_argument("--seed", type=int)
+    train.add_argument("--max-memory", help="per-rank budget for params + grads + optimizer state, e.g. 64MB")
+    train.add_argument("--verify", action="store_true", help="compare with single-process training")
+    train.add_argument("--precision", choices=("fp32", "bf16"),
+                       help="bf16: autocast (FSDP: its mixed-precision policy); fp32 keeps the equivalence proof")
+    train.add_argument("--tf32", action="store_true", help="TensorFloat-32 matrix products on NVIDIA GPUs")
+    train.add_argument("--peak-tflops", type=float, help="one device's peak TFLOP/s for MFU, where the lab has none")
+    train.add_argument("--log-every", type=int)
+    train.add_argument("--model-settings", type=_settings, help="e.g. dim=128,layers=8")
+    train.add_argument("--timeout", type=_seconds)
+    train.add_argument("--dashboard", action="store_true",
+                       help="draw it live and train in the background (Stop button; the cell returns the run)")
+    train.add_argument("--straggler-threshold", type=float)
+    for name, (owner, setting) in settings_by_name().items():
+        described = f"{owner}: {setting.help} (default {setting.default})"
+        if isinstance(setting.default, bool):
+            action = "store_false" if setting.default else "store_true"
+            train.add_argument(setting.option, dest=name, action=action, help=described)
+        else:
+            train.add_argument(setting.option, dest=name, type=type(setting.default),
+                               choices=setting.choices or None, help=described)
+    return train
 
 
 def _build_parsers():
@@ -115,33 +130,7 @@ def _build_parsers():
     start.add_argument("--timeout", type=_seconds, help="default limit for each cell, seconds")
     start.add_argument("--start-timeout", type=_seconds, help="limit for the ranks to come up, seconds")
     start.add_argument("--threads", type=int, help="torch threads per rank")
-    train = _Parser(prog="%lab train", add_help=False)
-    train.add_argument("--strategy", default="ddp", help="ddp, fsdp, tp, pp or a composition like fsdp+tp")
-    train.add_argument("--model", default="mlp", choices=("mlp", "gpt"))
-    train.add_argument("--steps", type=int, default=20)
-    train.add_argument("--mesh", help="axis sizes for a composition, e.g. dp=2,tp=2")
-    train.add_argument("--batch", type=int, dest="global_batch", default=32, help="global batch (samples per step)")
-    train.add_argument("--micro-batches", type=int, default=None,
-                       help="accumulation steps; pipeline microbatches (default: the number of stages under pp, else 1)")
-    train.add_argument("--lr", type=float, default=1e-3)
-    train.add_argument("--optimizer", default="adamw", choices=("adamw", "sgd"))
-    train.add_argument("--seed", type=int, default=0)
-    train.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP gradient bucket size")
-    train.add_argument("--no-reshard", action="store_true", help="FSDP: keep gathered parameters after forward")
-    train.add_argument("--sequence-parallel", action="store_true", help="TP: shard norms and residuals by sequence")
-    train.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b"))
-    train.add_argument("--max-memory", help="per-rank budget for params + grads + optimizer state, e.g. 64MB")
-    train.add_argument("--verify", action="store_true", help="compare with single-process training")
-    train.add_argument("--precision", default="fp32", choices=("fp32", "bf16"),
-                       help="bf16: autocast (FSDP: its mixed-precision policy); fp32 keeps the equivalence proof")
-    train.add_argument("--tf32", action="store_true", help="TensorFloat-32 matrix products on NVIDIA GPUs")
-    train.add_argument("--peak-tflops", type=float, help="one device's peak TFLOP/s for MFU, where the lab has none")
-    train.add_argument("--log-every", type=int, default=10)
-    train.add_argument("--model-settings", type=_settings, default={}, help="e.g. dim=128,layers=8")
-    train.add_argument("--timeout", type=_seconds)
-    train.add_argument("--dashboard", action="store_true",
-                       help="draw it live and train in the background (Stop button; the cell returns the run)")
-    train.add_argument("--straggler-threshold", type=float, default=1.5)
+    train = _train_parser()
     bench = _Parser(prog="%lab bench", add_help=False)
     bench.add_argument("operation", choices=("allreduce", "all_reduce", "allgather", "all_gather", "reduce_scatter",
                                              "reducescatter", "broadcast"))
@@ -249,13 +238,12 @@ class LabMagics(Magics):
     def train(self, words):
         lab = self._require_lab()
         options = vars(self._train_parser.parse_args(words))
-        mesh_text = options.pop("mesh")
+        mesh_text = options.pop("mesh", None)
         mesh = None
         if mesh_text:
             spec = MeshSpec.parse(mesh_text, lab.world_size)
             mesh = dict(zip(spec.names, spec.shape))
-        options["reshard_after_forward"] = not options.pop("no_reshard")
-        live = options.pop("dashboard")
+        live = options.pop("dashboard", False)
         return lab.train(mesh=mesh, dashboard=live, background=live, **options)
 
     def slow(self, words):

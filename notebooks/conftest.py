@@ -13,3 +13,12 @@ def pytest_collectstart(collector):
             "text/html",
             "image/png",
         )
+
+
+def pytest_collection_modifyitems(items):
+    # Every notebook starts real ranks: `-m "not lab"` (the fast path) leaves them out.
+    import pytest
+
+    for item in items:
+        if item.fspath.ext == ".ipynb":
+            item.add_marker(pytest.mark.lab)

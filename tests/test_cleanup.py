@@ -12,7 +12,7 @@ import psutil
 import pytest
 
 from labkit import Lab, StartupError
-from labkit.cluster import RankCluster
+from labkit.cluster.rank_cluster import RankCluster
 
 from .conftest import wait_gone
 

@@ -1,7 +1,7 @@
 """The dashboard's step axis follows the run: drawn from a hand-filled MetricsTable, no processes."""
 
-from labkit.dashboard import FIRST_STEPS, WINDOW_STEPS, Dashboard, step_range
-from labkit.metrics import MetricsTable
+from labkit.views.dashboard import FIRST_STEPS, WINDOW_STEPS, Dashboard, step_range
+from labkit.views.metrics import MetricsTable
 
 
 def row(rank, step, delay=0.0):

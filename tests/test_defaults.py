@@ -14,10 +14,11 @@ import pytest
 from .conftest import ipython_shell
 
 from labkit import LabConfigError
+from labkit.strategies.catalog import compositions
 
 pytestmark = pytest.mark.lab
 
-STRATEGIES = ("ddp", "fsdp", "tp", "pp", "fsdp+tp", "ddp+tp", "ddp+pp", "fsdp+pp", "pp+tp")
+STRATEGIES = compositions(4)  # every strategy and composition the catalog allows on 4 ranks
 
 
 @pytest.fixture(scope="module")

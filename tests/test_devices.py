@@ -2,7 +2,7 @@
 
 import pytest
 
-from labkit.devices import DeviceError, plan_ranks, visible_gpus
+from labkit.cluster.placement import DeviceError, plan_ranks, visible_gpus
 
 
 def test_cpu_machine_defaults_to_gloo():

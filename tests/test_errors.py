@@ -1,6 +1,6 @@
 """How failures on several ranks are grouped and told."""
 
-from labkit.errors import RankFailure, RankInterrupted
+from labkit.spec.errors import RankFailure, RankInterrupted
 
 
 def _error(kind, error_type="ValueError", message="bad", traceback="Traceback...\nValueError: bad"):

@@ -6,12 +6,12 @@ the same row a CPU rank makes; these tests feed it times by hand.
 
 import pytest
 
-from labkit.device_peaks import peak_tflops
-from labkit.gpu_instruments import assemble_row, union_length
-from labkit.model_configs import GPTConfig, MLPConfig
-from labkit.models import MLP, TinyGPT
-from labkit.train_config import resolve
-from labkit.train_report import TrainReport
+from labkit.spec.device_peaks import peak_tflops
+from labkit.rank.gpu_recorder import assemble_row, union_length
+from labkit.zoo.configs import GPTConfig, MLPConfig
+from labkit.zoo.models import MLP, TinyGPT
+from labkit.spec.train_config import resolve
+from labkit.views.train_report import TrainReport
 
 STEP = {"step": 7, "rank": 1, "samples": 8, "tokens": 256, "loss": 2.5, "delay": 0.0}
 

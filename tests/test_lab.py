@@ -175,6 +175,10 @@ def test_work_needs_a_running_lab():
     assert "stopped" in repr(idle) and not idle.status().running
 
 
-def test_timeout_must_be_positive(lab):
-    with pytest.raises(ValueError, match="positive number of seconds"):
-        lab.run(whoami, 0, timeout=0)
+def test_timeout_must_be_positive_and_finite(lab):
+    for absurd in (0, -1, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="positive, finite number of seconds"):
+            lab.run(whoami, 0, timeout=absurd)
+    with pytest.raises(ValueError, match="positive, finite number of seconds"):
+        type(lab)(ranks=2, timeout=float("inf"))
+    assert lab.run(whoami, 0) == [0, 1, 2, 3]  # nothing was left half-done

@@ -4,7 +4,7 @@ import itertools
 
 import pytest
 
-from labkit.mesh import MeshError, MeshSpec
+from labkit.spec.mesh import MeshError, MeshSpec
 
 
 def test_parse_names_and_sizes():

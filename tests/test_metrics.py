@@ -2,7 +2,7 @@
 
 import random
 
-from labkit.metrics import MetricsTable, straggler_scores
+from labkit.views.metrics import MetricsTable, straggler_scores
 
 
 def row(rank, step, compute=0.01, seconds=0.03, delay=0.0, loss=1.0, comm=None, sent=None):

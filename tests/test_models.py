@@ -2,9 +2,9 @@
 
 import torch
 
-from labkit.data import MarkovText, TeacherRegression
-from labkit.model_configs import GPTConfig, MLPConfig
-from labkit.models import build_model, stage_slice
+from labkit.zoo.data import MarkovText, TeacherRegression
+from labkit.zoo.configs import GPTConfig, MLPConfig
+from labkit.zoo.models import build_model, stage_slice
 
 
 def test_stage_slices_are_contiguous_and_cover_every_layer():

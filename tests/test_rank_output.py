@@ -1,6 +1,6 @@
 """Rank output: labelled, in rank order, new text found by difference."""
 
-from labkit.rank_output import LiveOutput, RankTexts, label_lines
+from labkit.views.rank_output import LiveOutput, RankTexts, label_lines
 
 
 def test_labels_every_line():

@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from labkit.budget import MemoryBudgetError
+from labkit.runs.budget import MemoryBudgetError
 
 pytestmark = pytest.mark.lab
 

@@ -2,8 +2,8 @@
 
 import json
 
-from labkit.collective_bench import CollectiveBench
-from labkit.timeline import Timeline
+from labkit.runs.bench import CollectiveBench
+from labkit.views.timeline import Timeline
 
 
 def entries(rank, steps=3):

@@ -2,7 +2,7 @@
 
 import pytest
 
-from labkit.train_config import format_bytes, parse_bytes, parse_strategy, resolve
+from labkit.spec.train_config import parse_strategy, resolve
 
 
 def test_strategies_and_their_axes():
@@ -45,17 +45,9 @@ def test_bad_requests_are_refused_with_a_reason(settings, message):
         resolve(4, **settings)
 
 
-def test_memory_sizes():
-    assert parse_bytes("64MB") == 64_000_000
-    assert parse_bytes("64 MiB") == 64 * 2**20
-    assert parse_bytes("1.5GB") == 1_500_000_000
-    assert parse_bytes(4096) == 4096 and parse_bytes(None) is None
-    assert format_bytes(12_800_000) == "12.8 MB" and format_bytes(900) == "900 B"
-
-
 def test_defaults_that_run():
-    from labkit.mesh import MeshSpec
-    from labkit.train_config import even_splits
+    from labkit.spec.mesh import MeshSpec
+    from labkit.spec.train_config import even_splits
 
     assert resolve(4, strategy="pp").micro_batches == 4  # 1F1B needs at least one per stage
     assert resolve(4, strategy="ddp").micro_batches == 1

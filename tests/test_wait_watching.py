@@ -23,10 +23,10 @@ import contextlib
 
 from torch.distributed.fsdp import FSDPModule
 
-from labkit.gpu_instruments import calling_at_backward_end
-from labkit.instruments import StepRecorder
-from labkit.train import train
-from labkit.train_config import resolve
+from labkit.rank.gpu_recorder import calling_at_backward_end
+from labkit.rank.recorder import StepRecorder
+from labkit.rank.loop import train
+from labkit.spec.train_config import resolve
 
 
 class WaitWatchingRecorder(StepRecorder):
@@ -55,7 +55,7 @@ class WaitWatchingRecorder(StepRecorder):
 def timed_groups():
     from torch.distributed import distributed_c10d as c10d
 
-    from labkit.timed_group import TimedGroup
+    from labkit.rank.timed_group import TimedGroup
 
     return [group for group in list(c10d._world.pg_map) if isinstance(group, TimedGroup)]
 

@@ -62,3 +62,14 @@ class GradientAllReduce:
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def apply(composition, dp_mesh, config) -> None:
+    """Catalog entry point. Next to TP or PP, gradients are averaged by hand after backward
+    (torch's DDP holds neither DTensor parameters nor a schedule's several forwards)."""
+    if composition.estimate_only:
+        return  # a whole copy per rank: nothing to shard
+    if composition.uses("tp") or composition.uses("pp"):
+        composition.grad_syncs.append(GradientAllReduce([composition.model], dp_mesh))
+    else:
+        composition.model = apply_ddp(composition.model, dp_mesh, config.bucket_cap_mb)

@@ -54,3 +54,9 @@ def apply_fsdp(model: nn.Module, dp_mesh, reshard_after_forward: bool = True, ba
             if isinstance(module, FSDPModule):
                 module.set_force_sum_reduction_for_comms(True)
     return model
+
+
+def apply(composition, dp_mesh, config) -> None:
+    """Catalog entry point: shard over the dp axis; FSDP's own policy handles bf16."""
+    apply_fsdp(composition.model, dp_mesh, config.reshard_after_forward, composition.backend, config.precision)
+    composition.own_precision = True

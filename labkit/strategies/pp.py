@@ -69,3 +69,14 @@ class PipelineRunner:
         if not losses:
             return None
         return torch.stack([loss.detach().float() for loss in losses]).mean()
+
+
+def apply(composition, pp_mesh, config) -> None:
+    """Catalog entry point: keep this rank's stage; the schedule runs the final (maybe DDP/FSDP) model."""
+    keep_stage(composition.model, pp_mesh)
+
+    def build_runner(done) -> None:
+        done.runner = PipelineRunner(done.model, pp_mesh, config.schedule, config.micro_batches, done.loss_fn,
+                                     done.device)
+
+    composition.after_all.append(build_runner)

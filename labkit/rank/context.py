@@ -1,0 +1,65 @@
+"""What the training loop needs from the process it runs in: identity, device, meshes, recorder, state.
+
+``RankContext`` is shared by a lab's rank (``runtime.RankRuntime``, which adds
+the process group, cells and scripts) and by a process that torchrun started
+(``ScriptContext``), so the benchmarks run the very same loop both ways to
+measure what the lab adds.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from labkit.rank.recorder import recorder_for
+from labkit.rank.timed_group import instrument_mesh
+
+
+class RankContext:
+    """One process's rank, device, meshes (built once per process group) and training state."""
+
+    def __init__(self, rank: int, backend: str, device: torch.device, control_path: str | None = None) -> None:
+        self.rank = rank
+        self.backend = backend
+        self.device = device
+        self.recorder = recorder_for(rank, device)
+        self.control_path = control_path
+        self.generation = 0
+        self.meshes: dict = {}  # (shape, names, instrumented) -> DeviceMesh of this process group
+        self.train_state = None  # rank.state.TrainState of the last run, until the group changes
+
+    def mesh_for(self, shape, names, instrumented: bool = True):
+        """A device mesh of this shape, built once per process group (building one creates groups).
+
+        Instrumented meshes report every collective over their groups to the
+        rank's recorder; plain ones exist to measure what that costs.
+        """
+        key = (tuple(shape), tuple(names), instrumented)
+        if key not in self.meshes:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            mesh = init_device_mesh(self.device.type, key[0], mesh_dim_names=key[1])
+            if instrumented:
+                instrument_mesh(mesh, self.recorder)
+            self.meshes[key] = mesh
+        return self.meshes[key]
+
+    def forget_group(self) -> None:
+        """The process group is going: its meshes and the training state built on them go too."""
+        self.meshes.clear()
+        self.train_state = None
+
+
+class ScriptContext(RankContext):
+    """A process started by torchrun, with its process group already initialised."""
+
+    def __init__(self) -> None:
+        backend = "nccl" if "nccl" in dist.get_backend() else "gloo"
+        if backend == "nccl":
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(device)
+        else:
+            device = torch.device("cpu")
+        super().__init__(dist.get_rank(), backend, device)

@@ -1,0 +1,101 @@
+"""The functions the notebook sends to the ranks, importable without torch.
+
+ipyparallel pickles a function by reference (module and name), so the notebook
+side only needs to import this module, never the rank's own code. Each function
+runs inside a rank and reaches that rank's ``RankRuntime`` (``labkit.rank.runtime``),
+importing the heavy modules there, where torch is already loaded.
+"""
+
+from __future__ import annotations
+
+RUNTIME_NAME = "__labkit__"
+
+
+def install() -> None:
+    """Engine startup command: create this rank's runtime in the user namespace."""
+    import gc
+    import traceback
+
+    from IPython import get_ipython
+
+    namespace = get_ipython().user_ns
+    try:
+        from labkit.rank.runtime import RankRuntime
+
+        RankRuntime(namespace)
+    except Exception:
+        namespace["__labkit_install_error__"] = traceback.format_exc()
+    # Everything alive now (torch, IPython, ipyparallel) lives as long as the
+    # engine: keep it out of the garbage collector's full passes, which a
+    # training loop triggers often and which would otherwise walk it each time.
+    gc.freeze()
+
+
+def this_rank():
+    """Inside a rank: its runtime (``.rank``, ``.world_size``, ``.mesh``, ``.device``, ``.state``).
+
+    For functions defined in modules, which do not see the rank's namespace.
+    """
+    from IPython import get_ipython
+
+    shell = get_ipython()
+    namespace = shell.user_ns if shell is not None else {}
+    if RUNTIME_NAME not in namespace:
+        problem = namespace.get("__labkit_install_error__", "the engine was not started by labkit")
+        raise RuntimeError(f"this engine has no labkit runtime:\n{problem}")
+    return namespace[RUNTIME_NAME]
+
+
+def identity() -> dict:
+    return this_rank().identity()
+
+
+def open_store(timeout_seconds: float) -> int:
+    return this_rank().open_store(timeout_seconds)
+
+
+def join_group(port: int, generation: int, timeout_seconds: float) -> int:
+    return this_rank().join_group(port, generation, timeout_seconds)
+
+
+def build_mesh(shape: list[int], names: list[str]):
+    return this_rank().build_mesh(shape, names)
+
+
+def all_reduce_check() -> float:
+    return this_rank().all_reduce_check()
+
+
+def run_cell(code: str, timeout_seconds: float) -> dict:
+    return this_rank().run_cell(code, timeout_seconds)
+
+
+def call(fn, args, kwargs, sources: dict | None, timeout_seconds: float) -> dict:
+    return this_rank().call(fn, args, kwargs, sources, timeout_seconds)
+
+
+def run_script(source: str, path: str, args: list[str], timeout_seconds: float) -> dict:
+    return this_rank().run_script(source, path, args, timeout_seconds)
+
+
+def seed(value: int, same: bool) -> int:
+    """Seed this rank's generators: ``value`` on every rank, or ``value + rank``; return what was used."""
+    from labkit.rank.environment import seed_all
+
+    used = value if same else value + this_rank().rank
+    seed_all(used)
+    return used
+
+
+def train(config, timeout_seconds: float) -> dict:
+    """One training run (or its continuation) as user work: guarded, bounded, reported."""
+    from labkit.rank.loop import train as train_loop
+
+    return this_rank().call(train_loop, (config,), {}, None, timeout_seconds)
+
+
+def estimate_memory(config) -> dict:
+    """This rank's parameter, gradient and optimizer bytes under ``config`` (a meta-device model)."""
+    from labkit.rank.loop import estimate_memory as estimate
+
+    return estimate(config)

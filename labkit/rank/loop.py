@@ -1,0 +1,250 @@
+"""The training loop every strategy shares, on CPU and GPU ranks alike.
+
+``train(config)`` runs on every rank (``Lab.train`` sends it): build the zoo
+model with the same seed everywhere, apply the strategy (``strategies``), then
+for each step take this rank's slice of the step's global batch, run forward and
+backward, and let the optimizer update what this rank holds. Nothing in the loop
+knows which strategy it runs; the ``ParallelModel`` does.
+
+With ``verify``, every rank then retrains the model in plain single-process
+PyTorch and compares (``verify.compare_with_reference``).
+
+On a GPU the loop never makes the CPU wait for the device inside a step: the
+batch is copied from pinned memory without blocking, the loss stays a device
+tensor until a progress line (or the end) reads it, and step times come from
+CUDA events read later. So the CPU prepares step n+1 while the GPU runs step n.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from labkit.rank.context import ScriptContext  # noqa: F401 - the benchmarks' way in, beside train
+from labkit.rank.control import ControlChannel
+from labkit.rank.entry import this_rank
+from labkit.rank.environment import device_name
+from labkit.rank.memory import estimated_bytes, local_bytes, memory_bytes
+from labkit.rank.recorder import Publisher
+from labkit.rank.state import state_for
+from labkit.rank.step_timer import StepTimer
+from labkit.spec.train_config import OPTIMIZERS, TrainConfig
+from labkit.strategies.compose import shard_for_memory_estimate
+from labkit.zoo.models import build_model
+
+
+def make_optimizer(parameters, config: TrainConfig, device: torch.device = torch.device("cpu")) -> torch.optim.Optimizer:
+    """SGD or AdamW over ``parameters``.
+
+    On CPU, one tensor at a time (``foreach=False``): the same per-parameter
+    arithmetic on plain and sharded tensors. On a GPU that would launch a dozen
+    small kernels per parameter, so AdamW updates many tensors per kernel
+    (``foreach``); a foreach kernel cannot mix DTensors with plain tensors, so
+    they go in separate parameter groups.
+    """
+    parameters = list(parameters)
+    foreach = device.type == "cuda"
+    if foreach:
+        sharded = [p for p in parameters if isinstance(p, DTensor)]
+        plain = [p for p in parameters if not isinstance(p, DTensor)]
+        parameters = [{"params": group} for group in (sharded, plain) if group]
+    if config.optimizer == "sgd":
+        return torch.optim.SGD(parameters, lr=config.lr, foreach=foreach)
+    return torch.optim.AdamW(parameters, lr=config.lr, weight_decay=0.0, foreach=foreach)
+
+
+@contextlib.contextmanager
+def precision_settings(config: TrainConfig):
+    """TF32 matrix products for the run when asked (NVIDIA GPUs), restored afterwards."""
+    if not config.tf32:
+        yield
+        return
+    matmul, cudnn = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, cudnn
+
+
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Copy a batch to the rank's device; to a GPU from pinned memory, without waiting."""
+    if device.type != "cuda":
+        return tensor
+    # A copy from pageable memory makes the CPU wait for the GPU to reach it.
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
+def control_tensor(values, dtype=torch.float32, group=None) -> torch.Tensor:
+    """A small tensor for the lab's own traffic: on CPU when the group carries CPU tensors
+    (gloo, or gloo beside nccl), else on this process's GPU (a group of nccl alone)."""
+    group = group or dist.group.WORLD
+    if any(device.type == "cpu" for device in group._device_types):
+        return torch.tensor(values, dtype=dtype)
+    return torch.tensor(values, dtype=dtype, device=torch.device("cuda", torch.cuda.current_device()))
+
+
+def _coordinate(mesh, config: TrainConfig) -> dict[str, int]:
+    return {name: mesh.get_local_rank(name) for name in config.mesh_names}
+
+
+def _data_slice(config: TrainConfig, coordinate: dict[str, int], tensors):
+    """This rank's part of the global batch: split over dp replicas only."""
+    replicas, replica = config.axis("dp"), coordinate.get("dp", 0)
+    size = config.global_batch // replicas
+    return [tensor[replica * size : (replica + 1) * size] for tensor in tensors]
+
+
+STOP_CHECK_EVERY = 4  # steps between agreements on a stop request (one 4-byte all-reduce)
+
+
+def _agree_to_stop(requested: bool) -> bool:
+    """All ranks stop at the same step boundary, or none would be left waiting in a collective."""
+    flag = control_tensor([1.0 if requested else 0.0])
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
+class LossLog:
+    """Every step's loss, and the progress lines, without making a GPU wait.
+
+    A loss stays a device tensor until it is needed: reading it makes the CPU
+    wait for the GPU. A progress line (every ``log_every`` steps, and the last)
+    is printed once the *next* step has been enqueued, so the GPU has work while
+    the CPU waits for the number. The line shows the loss averaged over dp
+    replicas (a small all-reduce, outside the timed step).
+    """
+
+    def __init__(self, config: TrainConfig, mesh, parallel, recorder, reporter: bool, timer: StepTimer) -> None:
+        self.config, self.mesh, self.parallel = config, mesh, parallel
+        self.recorder, self.reporter, self.timer = recorder, reporter, timer
+        self._values: list[float] = []
+        self._unread: list = []
+        self._due: int | None = None
+
+    def add(self, step: int, loss) -> None:
+        self._unread.append(loss)
+        self.print_due()
+        if step % self.config.log_every == 0 or step == self.config.steps - 1:
+            self._due = step
+
+    def values(self) -> list[float] | None:
+        """Every step's loss as numbers (None on ranks that do not compute it)."""
+        self.print_due()
+        if not self.parallel.owns_loss:
+            return None
+        self._read(len(self._values) + len(self._unread))
+        return self._values
+
+    def _read(self, upto: int) -> None:
+        """The losses of the steps before ``upto`` as numbers: one transfer, and the device tensors freed."""
+        count = upto - len(self._values)
+        if count > 0:
+            self._values.extend(torch.stack([loss.float() for loss in self._unread[:count]]).tolist())
+            del self._unread[:count]
+
+    def print_due(self) -> None:
+        step, self._due = self._due, None
+        if step is None or not self.parallel.owns_loss:
+            return
+        config = self.config
+        self._read(step + 1)
+        loss = self._values[step]
+        if "dp" in config.mesh_names and config.axis("dp") > 1:
+            group = self.mesh["dp"].get_group()
+            total = control_tensor([loss], dtype=torch.float64, group=group)
+            self.recorder.paused = True  # this all-reduce is the lab's, not the model's
+            try:
+                dist.all_reduce(total, group=group)
+            finally:
+                self.recorder.paused = False
+            loss = float(total) / config.axis("dp")
+        if self.reporter:
+            seconds = self.timer.seconds_of(step)
+            took = f"  {seconds * 1000:.1f} ms" if seconds is not None else ""
+            first = config.first_step  # a continued run counts on from where the last one stopped
+            print(f"step {first + step + 1:>4}/{first + config.steps}  loss {loss:.4f}{took}", flush=True)
+
+
+def train(config: TrainConfig, context=None) -> dict:
+    runtime = context or this_rank()
+    with precision_settings(config):
+        return _train(config, runtime)
+
+
+def _train(config: TrainConfig, runtime) -> dict:
+    device = runtime.device
+    state = state_for(config, runtime, make_optimizer)
+    parallel, optimizer, mesh = state.parallel, state.optimizer, state.mesh
+    coordinate = _coordinate(mesh, config)
+    data = state.data()
+    reporter = parallel.owns_loss and all(index == 0 for name, index in coordinate.items() if name != "pp")
+    recorder = runtime.recorder
+    recorder.clear()  # rows and timeline describe this run only
+    if config.instruments:
+        parallel.backward_watch = recorder.backward_watch
+        recorder.watch_module_waits(parallel.module)
+    control = ControlChannel(runtime.control_path if config.instruments else None, runtime.rank)
+    publisher = Publisher(recorder) if config.instruments else None
+    timer = StepTimer(device)
+    losses = LossLog(config, mesh, parallel, recorder, reporter, timer)
+    samples = config.global_batch // config.axis("dp")
+    tokens = samples * config.model_config.seq if config.model == "gpt" else None
+    for step in range(config.steps):  # this run's steps; the data position is the state's
+        control.poll()
+        if step and step % STOP_CHECK_EVERY == 0 and config.instruments and _agree_to_stop(control.stop_requested):
+            break
+        inputs, targets = _data_slice(config, coordinate, data.batch(state.step, config.global_batch))
+        inputs, targets = to_device(inputs, device), to_device(targets, device)
+        timer.begin()
+        if config.instruments:
+            recorder.begin_step(step)
+        delay = control.spend_delay()
+        optimizer.zero_grad(set_to_none=True)
+        loss = parallel.forward_backward(inputs, targets)
+        parallel.optimizer_step(optimizer)
+        state.finish_step()
+        timer.end()
+        if config.instruments:
+            recorder.end_step(samples, tokens, loss, delay)
+        losses.add(step, loss)
+        if config.instruments:
+            publisher.maybe_publish()
+    losses.print_due()
+    recorder.finish()
+    if publisher is not None:
+        publisher.maybe_publish(force=True)
+    state.pause()
+    step_seconds = timer.seconds()
+    result = {
+        "rank": runtime.rank,
+        "role": parallel.role,
+        "coordinate": coordinate,
+        "owns_loss": parallel.owns_loss,
+        "first_step": config.first_step,
+        "losses": losses.values(),
+        "step_seconds": step_seconds,
+        "steps_done": len(step_seconds),
+        "memory": memory_bytes(parallel.module, optimizer),
+        "rows": list(recorder.rows) if config.instruments else [],
+        "timeline": list(recorder.timeline) if config.instruments else [],
+        "device_name": device_name(device),
+    }
+    if config.verify:
+        from labkit.rank.verify import compare_with_reference
+
+        result["verify"] = compare_with_reference(config, parallel, device, state.step)
+    return result
+
+
+def estimate_memory(config: TrainConfig) -> dict[str, int]:
+    """This rank's parameter, gradient and optimizer bytes under ``config``, from a meta-device model."""
+    runtime = this_rank()
+    mesh = runtime.mesh_for(config.mesh_shape, config.mesh_names, instrumented=config.instruments)
+    model = build_model(config.model, config.model_config, config.seed, "meta")
+    shard_for_memory_estimate(model, mesh, config, runtime.backend)
+    param_bytes = sum(local_bytes(p) for p in {id(p): p for p in model.parameters()}.values())
+    return estimated_bytes(param_bytes, OPTIMIZERS[config.optimizer])

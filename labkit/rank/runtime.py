@@ -1,0 +1,297 @@
+"""What lives inside each rank: its identity, its process group, its mesh, its runner.
+
+This module runs in the engines, never in the notebook. ``install()`` is each
+engine's startup command: it builds one ``RankRuntime`` and puts it, with the
+names a cell expects (``rank``, ``world_size``, ``mesh``, ``device``, ``torch``,
+``dist``), into the engine's user namespace. The notebook then reaches the
+runtime through the small module-level functions below, which ipyparallel
+pickles by reference.
+
+The runtime's promise to the notebook: every piece of user work comes back as a
+plain dict (ok, value, error with a trimmed traceback) within its time limit, and
+a rank that fails takes its process group down at once, so that peers waiting
+for it in a collective are released with "connection closed" instead of hanging.
+"""
+
+from __future__ import annotations
+
+import ast
+import linecache
+import os
+import signal
+import socket
+import sys
+import time
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from labkit.rank.group_memory import forget_old_groups
+from labkit.rank.context import RankContext
+from labkit.spec.schema import FailureKind
+from labkit.rank.entry import RUNTIME_NAME
+from labkit.rank.environment import device_name, process_group_backend, seed_independently, torchrun_environment
+
+STORE_HOST_DEFAULT = "127.0.0.1"
+
+# Error text by which a rank knows it failed *because of another rank*: the peer
+# closed the connection (it failed first) or the collective timed out waiting.
+_COLLATERAL_MARKERS = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Timed out waiting",
+    "timed out",
+    "Broken pipe",
+    "NCCL communicator was aborted",
+)
+
+
+class RankRuntime(RankContext):
+    """One lab rank: identity, process group generation, mesh, training state, the cells it runs."""
+
+    def __init__(self, namespace: dict, environ=os.environ) -> None:
+        backend = environ.get("LABKIT_BACKEND", "gloo")
+        device = torch.device("cuda", 0) if backend == "nccl" else torch.device("cpu")
+        super().__init__(int(environ["LABKIT_RANK"]), backend, device, environ.get("LABKIT_CONTROL"))
+        self.namespace = namespace
+        self.world_size = int(environ["LABKIT_WORLD_SIZE"])
+        self.store_host = environ.get("LABKIT_STORE_HOST", STORE_HOST_DEFAULT)
+        self.store = None
+        self.mesh = None
+        self.mesh_spec: tuple[tuple[int, ...], tuple[str, ...]] | None = None
+        self.cells_run = 0
+        threads = int(environ.get("LABKIT_THREADS", "1"))
+        torch.set_num_threads(threads)
+        if self.backend == "nccl":
+            torch.cuda.set_device(self.device)
+        seed_independently()  # forked ranks would otherwise share the host's random state
+        self._publish_names()
+
+    # -- names a cell sees --------------------------------------------------
+
+    def _publish_names(self) -> None:
+        self.namespace.update(
+            {
+                RUNTIME_NAME: self,
+                "rank": self.rank,
+                "world_size": self.world_size,
+                "device": self.device,
+                "mesh": self.mesh,
+                "torch": torch,
+                "dist": dist,
+                # IPython's exit would return and let the rest of the cell run: end the cell's code instead.
+                "exit": sys.exit,
+                "quit": sys.exit,
+            }
+        )
+
+    def identity(self) -> dict:
+        return {
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "backend": self.backend,
+            "device": str(self.device),
+            "threads": torch.get_num_threads(),
+            "generation": self.generation,
+            "group_ready": dist.is_initialized(),
+            "mesh": None if self.mesh_spec is None else [list(s) for s in self.mesh_spec],
+            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+            "device_name": device_name(self.device),
+        }
+
+    # -- process group ------------------------------------------------------
+
+    def open_store(self, timeout_seconds: float) -> int:
+        """Rank 0: serve a fresh rendezvous store on the lab's own address.
+
+        TCPStore binds every interface when it opens its own socket, so the
+        socket is opened here, bound to ``store_host`` only, and handed over.
+        """
+        self.store = None  # the previous generation's server closes here
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((self.store_host, 0))
+        listener.listen(max(128, self.world_size * 4))
+        port = listener.getsockname()[1]
+        self.store = dist.TCPStore(
+            self.store_host,
+            port,
+            self.world_size,
+            True,
+            timeout=timedelta(seconds=timeout_seconds),
+            wait_for_workers=False,
+            master_listen_fd=listener.detach(),
+            use_libuv=True,
+        )
+        return port
+
+    def join_group(self, port: int, generation: int, timeout_seconds: float) -> int:
+        """Leave any old process group and join generation ``generation`` at ``port``."""
+        self.leave_group()
+        if self.rank != 0 or self.store is None:
+            self.store = dist.TCPStore(
+                self.store_host,
+                port,
+                self.world_size,
+                False,
+                timeout=timedelta(seconds=timeout_seconds),
+            )
+        dist.init_process_group(
+            process_group_backend(self.backend),
+            store=dist.PrefixStore(f"gen{generation}", self.store),
+            rank=self.rank,
+            world_size=self.world_size,
+            timeout=timedelta(seconds=timeout_seconds),
+            device_id=self.device if self.backend == "nccl" else None,
+        )
+        self.generation = generation
+        # What torchrun would have set; the rendezvous address changes with every generation.
+        os.environ.update(torchrun_environment(self.rank, self.world_size, self.store_host, port))
+        return self.generation
+
+    def leave_group(self) -> None:
+        """Destroy the process group (and the meshes built on it), closing its sockets."""
+        self.mesh = None
+        self.forget_group()
+        self.namespace["mesh"] = None
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # a broken group may complain on the way out
+                pass
+        forget_old_groups()
+
+    def set_collective_timeout(self, seconds: float) -> None:
+        """Bound every collective of every group by ``seconds`` (the cell's limit)."""
+        if not dist.is_initialized():
+            return
+        from torch.distributed import distributed_c10d as c10d
+
+        limit = timedelta(seconds=seconds)
+        for group in list(c10d._world.pg_map):
+            try:
+                c10d._set_pg_timeout(limit, group)
+            except Exception:  # groups of backends without the knob keep theirs
+                pass
+
+    # -- mesh -----------------------------------------------------------------
+
+    def build_mesh(self, shape: list[int], names: list[str]):
+        """The notebook's mesh: built on every rank, available to cells as ``mesh``."""
+        self.mesh = self.mesh_for(shape, names)
+        self.mesh_spec = (tuple(shape), tuple(names))
+        self.namespace["mesh"] = self.mesh
+        return tuple(self.mesh.get_coordinate())
+
+    def all_reduce_check(self) -> float:
+        """One all-reduce of ones; the sum (== world size when the group works)."""
+        tensor = torch.ones(1, device=self.device)
+        dist.all_reduce(tensor)
+        return float(tensor.item())
+
+    # -- running user work ------------------------------------------------------
+
+    def run_cell(self, code: str, timeout_seconds: float) -> dict:
+        """Run a cell's code in this rank's namespace; the last expression is shown."""
+        self.cells_run += 1
+        filename = f"<lab cell {self.cells_run}>"
+        linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
+
+        def body():
+            tree = ast.parse(code, filename)
+            last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
+            exec(compile(tree, filename, "exec"), self.namespace)
+            if last is not None:
+                value = eval(compile(ast.Expression(last.value), filename, "eval"), self.namespace)
+                return None if value is None else repr(value)
+            return None
+
+        return self._guarded(body, timeout_seconds, result_key="display")
+
+    def call(self, fn, args, kwargs, sources: dict | None, timeout_seconds: float) -> dict:
+        """Call ``fn``; ``sources`` (filename -> lines) lets tracebacks show notebook-defined code."""
+        for filename, lines in (sources or {}).items():
+            linecache.cache[filename] = (sum(map(len, lines)), None, lines, filename)
+        return self._guarded(lambda: fn(*args, **kwargs), timeout_seconds, result_key="value")
+
+    def run_script(self, source: str, path: str, args: list[str], timeout_seconds: float) -> dict:
+        """Run a torchrun-style script as ``__main__`` (see ``labkit.rank.script``)."""
+        from labkit.rank.script import run_script
+
+        return self._guarded(lambda: run_script(source, path, args), timeout_seconds, result_key="value")
+
+    def _guarded(self, work, timeout_seconds: float, result_key: str) -> dict:
+        """Run user work: the lab's group stands in for the user's init/destroy, exit(0) succeeds."""
+        from labkit.rank.script import ScriptExit, exit_code, lab_process_group
+
+        started = time.perf_counter()
+        self.set_collective_timeout(timeout_seconds)
+        try:
+            with lab_process_group(self.rank, self.world_size, self.backend):
+                value = work()
+        except SystemExit as exited:  # exit() or sys.exit() in a cell or function
+            if exit_code(exited.code):
+                return self._failed(ScriptExit(f"exited with code {exit_code(exited.code)}"), started)
+            value = None
+        except BaseException as error:  # noqa: B036 - KeyboardInterrupt too: report, release peers
+            return self._failed(error, started)
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        return {"rank": self.rank, "ok": True, result_key: value, "seconds": time.perf_counter() - started}
+
+    def _failed(self, error: BaseException, started: float) -> dict:
+        # A late Ctrl-C from the notebook must not cut the clean-up short.
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            report = {
+                "rank": self.rank,
+                "ok": False,
+                "seconds": time.perf_counter() - started,
+                "error": {
+                    "type": type(error).__name__,
+                    "message": str(error),
+                    "traceback": _user_traceback(error) + _hint(error),
+                    "kind": classify_error(error),
+                },
+            }
+            # Peers blocked on us in a collective get "connection closed" now,
+            # not at the timeout. The notebook rebuilds the group afterwards.
+            self.leave_group()
+            return report
+        finally:
+            signal.signal(signal.SIGINT, previous)
+
+
+def classify_error(error: BaseException) -> str:
+    """'interrupted', 'collective' (failed because a peer failed or hung) or 'raised'."""
+    if isinstance(error, KeyboardInterrupt):
+        return FailureKind.INTERRUPTED
+    text = str(error)
+    distributed_error = isinstance(error, getattr(dist, "DistError", ())) or "gloo" in text or "c10d" in text
+    if distributed_error and any(marker in text for marker in _COLLATERAL_MARKERS):
+        return FailureKind.COLLECTIVE
+    return FailureKind.RAISED
+
+
+def _hint(error: BaseException) -> str:
+    """What to do about an error that ranks make where a single process would not."""
+    if isinstance(error, NameError):
+        return ("Hint: each rank has its own namespace. Names the notebook defined or imported are not on the "
+                "ranks: import inside the function, or run the import in a %%lab cell first.\n")
+    return ""
+
+
+def _user_traceback(error: BaseException) -> str:
+    """The traceback from the user's code down, without the runtime's own frames."""
+    from labkit.rank import entry, script
+
+    own = {__file__, script.__file__, entry.__file__}
+    tb = error.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename in own:
+        tb = tb.tb_next
+    return "".join(traceback.format_exception(type(error), error, tb))

@@ -1,0 +1,110 @@
+"""``TrainState``: what a training run leaves on each rank, and what the next run continues from.
+
+A state is the model as this rank holds it (sharded, wrapped, staged), its
+optimizer, how many steps it has taken (which is also the data position: step
+``n`` trains on batch ``n`` of the run's seeded data), the random generators at
+the end of the last step, and the process group generation its communicators
+belong to. It lives on the rank between cells (``RankRuntime.train_state``), so
+``lab.train(..., resume=True)`` takes up where the last run stopped and ends
+with the same parameters as one run of all the steps together. Checkpoints
+save and load this object.
+
+A state cannot outlive its process group: when the lab rebuilds the group
+(after a failure) the state is dropped with it, and resuming says so.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import numpy
+import torch
+
+from labkit.spec.train_config import TrainConfig, resume_differences
+from labkit.strategies.compose import ParallelModel, parallelize
+from labkit.zoo.data import dataset_for, loss_function
+from labkit.zoo.models import build_model
+
+
+def random_state() -> dict:
+    """Every generator a training step may draw from on this rank."""
+    state = {"torch": torch.get_rng_state(), "numpy": numpy.random.get_state(), "random": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def restore_random_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    numpy.random.set_state(state["numpy"])
+    random.setstate(state["random"])
+    if "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+@dataclass
+class TrainState:
+    """One rank's share of a training run that may continue."""
+
+    config: TrainConfig  # the run that built it (a continuation may change only steps and reporting)
+    parallel: ParallelModel
+    optimizer: torch.optim.Optimizer
+    mesh: object  # the DeviceMesh its communicators live on
+    generation: int
+    step: int = 0  # steps taken in all; the next batch is number ``step``
+    rng: dict = field(default_factory=random_state)
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.parallel.module
+
+    def data(self):
+        return dataset_for(self.config.model, self.config.model_config, self.config.seed)
+
+    def finish_step(self) -> None:
+        self.step += 1
+
+    def pause(self) -> None:
+        """At the end of a run: remember the generators, so a continuation draws what one run would have."""
+        self.rng = random_state()
+
+    def check_continues(self, config: TrainConfig, generation: int) -> None:
+        """Refuse a continuation that would not be the same run: another model, mesh, group or position."""
+        if generation != self.generation:
+            raise RuntimeError(
+                f"this rank's training state belongs to process group generation {self.generation}, the group is "
+                f"now generation {generation}: the state was lost when the group was rebuilt. Train afresh."
+            )
+        if config.first_step != self.step:
+            raise RuntimeError(f"the notebook resumes at step {config.first_step}, this rank stopped after "
+                               f"step {self.step}")
+        differences = resume_differences(self.config, config)
+        if differences:
+            raise RuntimeError(f"cannot continue the last run with other settings: {'; '.join(differences)}")
+
+
+def build_state(config: TrainConfig, runtime, make_optimizer) -> TrainState:
+    """A fresh model on every rank (the same seed everywhere), split by the strategy, with its optimizer."""
+    device = runtime.device
+    mesh = runtime.mesh_for(config.mesh_shape, config.mesh_names, instrumented=config.instruments)
+    model = build_model(config.model, config.model_config, config.seed, device)
+    parallel = parallelize(model, mesh, config, loss_function(config.model), device, runtime.backend, runtime.rank)
+    optimizer = make_optimizer(parallel.module.parameters(), config, device)
+    return TrainState(config, parallel, optimizer, mesh, runtime.generation)
+
+
+def state_for(config: TrainConfig, runtime, make_optimizer) -> TrainState:
+    """The state a run trains: the rank's own when the run continues one, else a new one (kept on the rank)."""
+    if config.first_step:
+        state = runtime.train_state
+        if state is None:
+            raise RuntimeError("this rank has no training state to continue (it was restarted, or never trained): "
+                               "train afresh")
+        state.check_continues(config, runtime.generation)
+        restore_random_state(state.rng)
+        return state
+    runtime.train_state = None  # the old model's memory goes before the new one is built
+    state = build_state(config, runtime, make_optimizer)
+    runtime.train_state = state
+    return state

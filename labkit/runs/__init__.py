@@ -1,0 +1,1 @@
+"""Notebook features built on a ``Session``: sending work, training runs, budgets, status, benchmarks."""

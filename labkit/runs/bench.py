@@ -1,0 +1,108 @@
+"""Collective benchmark: time, algorithm bandwidth and bus bandwidth over message sizes.
+
+As nccl-tests reports them: for a message of S bytes taking t seconds,
+algorithm bandwidth is S / t, and bus bandwidth scales it by what each rank
+must move over its links in the usual ring algorithm, so that numbers compare
+across rank counts: 2(n-1)/n for all-reduce, (n-1)/n for all-gather and
+reduce-scatter (S being the whole gathered or scattered buffer), 1 for
+broadcast. Beside them, the copy bandwidth of the ranks' device: host memory for
+CPU ranks (on one machine gloo's transport is memory, so that is the ceiling),
+device-to-device for GPU ranks. On GPUs the messages live on the rank's device
+and the timing waits for the device (``torch.cuda.synchronize``) before reading
+the clock, since a collective returns before the GPU has run it.
+
+``labkit.rank.bench`` measures on the ranks (on the default process group,
+uninstrumented); ``CollectiveBench`` here is the notebook's table and picture.
+"""
+
+from __future__ import annotations
+
+import io
+
+from labkit.rank.bench import measure, memcpy_bandwidth
+from labkit.units import format_binary
+
+OPERATIONS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
+BUS_FACTOR = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "broadcast": lambda n: 1.0,
+}
+DEFAULT_SIZES = tuple(2**power for power in range(10, 25, 2))  # 1 KiB .. 16 MiB
+
+
+class CollectiveBench:
+    """One operation over sizes: the slowest rank's time per size, bandwidths, and a picture."""
+
+    def __init__(self, operation: str, world_size: int, sizes, per_rank: list[list[float]], memcpy: float,
+                 device_type: str = "cpu") -> None:
+        self.operation = operation
+        self.device_type = device_type
+        self.ceiling_name = "device-to-device copy on the GPU" if device_type == "cuda" else "memory copy on this machine"
+        self.world_size = world_size
+        self.sizes = list(sizes)
+        self.seconds = [max(times[i] for times in per_rank) for i in range(len(self.sizes))]
+        self.memcpy = memcpy
+        factor = BUS_FACTOR[operation](world_size)
+        self.algbw = [size / seconds for size, seconds in zip(self.sizes, self.seconds)]
+        self.busbw = [bandwidth * factor for bandwidth in self.algbw]
+
+    def rows(self) -> list[tuple[int, float, float, float]]:
+        return list(zip(self.sizes, self.seconds, self.algbw, self.busbw))
+
+    def __str__(self) -> str:
+        lines = [
+            f"{self.operation} on {self.world_size} ranks (slowest rank; bus bandwidth as nccl-tests counts it)",
+            f"{'size':>10}  {'time':>10}  {'algbw':>10}  {'busbw':>10}",
+        ]
+        for size, seconds, algbw, busbw in self.rows():
+            lines.append(f"{format_binary(size):>10}  {seconds * 1e6:>8.0f} us  {algbw / 1e9:>6.3f} GB/s  {busbw / 1e9:>6.3f} GB/s")
+        lines.append(f"{self.ceiling_name}: {self.memcpy / 1e9:.1f} GB/s")
+        return "\n".join(lines)
+
+    def _repr_pretty_(self, printer, cycle) -> None:
+        printer.text(str(self))
+
+    def figure(self):
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+
+        figure = Figure(figsize=(7, 3.6), dpi=80, layout="constrained")
+        FigureCanvasAgg(figure)
+        axes = figure.subplots()
+        axes.plot(self.sizes, [b / 1e9 for b in self.algbw], marker="o", label="algorithm bandwidth")
+        axes.plot(self.sizes, [b / 1e9 for b in self.busbw], marker="s", label="bus bandwidth")
+        axes.axhline(self.memcpy / 1e9, color="#555555", linestyle="--", label=f"{self.ceiling_name} (ceiling)")
+        axes.set_xscale("log", base=2)
+        axes.set_yscale("log")
+        axes.set_xlabel("message size (bytes)")
+        axes.set_ylabel("GB/s")
+        axes.set_title(f"{self.operation}, {self.world_size} ranks", fontsize=10)
+        axes.legend(fontsize=8)
+        return figure
+
+    def _repr_png_(self) -> bytes:
+        buffer = io.BytesIO()
+        self.figure().canvas.print_png(buffer)
+        return buffer.getvalue()
+
+
+def run_benchmark(session, operation: str, sizes, iterations: int | None, warmup: int, timeout: float) -> CollectiveBench:
+    """Notebook side of ``Lab.bench_collective``: check the request, time each size, gather."""
+    from labkit.spec.errors import LabConfigError
+
+    name = operation.replace("allreduce", "all_reduce").replace("allgather", "all_gather")
+    name = name.replace("reducescatter", "reduce_scatter")
+    if name not in OPERATIONS:
+        raise LabConfigError(f"unknown collective {operation!r}: choose {', '.join(OPERATIONS)}")
+    sizes = list(sizes or DEFAULT_SIZES)
+    if not sizes or any(isinstance(size, bool) or not isinstance(size, int) or size < 4 for size in sizes):
+        raise LabConfigError("sizes are message sizes in bytes, each at least 4")
+    by_size = []
+    for size in sizes:  # one call per size, each under the time limit
+        count = iterations or max(5, min(200, 2**24 // size))
+        by_size.append(session.run(measure, name, [size], count, warmup, timeout=timeout))
+    per_rank = [[by_size[i][rank][0] for i in range(len(sizes))] for rank in range(session.world_size)]
+    memcpy = session.call([0], memcpy_bandwidth, (), timeout)[0]
+    return CollectiveBench(name, session.world_size, sizes, per_rank, memcpy, session.plan.device_type)

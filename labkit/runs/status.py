@@ -1,0 +1,146 @@
+"""A snapshot of a lab, drawn as a table: one row per rank."""
+
+from __future__ import annotations
+
+import html
+import time
+from dataclasses import dataclass
+
+from labkit.rank import entry
+
+
+@dataclass(frozen=True)
+class RankStatus:
+    rank: int
+    engine: int | None
+    pid: int | None
+    state: str  # ready | busy | dead | no group | training
+    device: str
+    threads: int | None
+    generation: int | None
+    coordinate: tuple[int, ...] | None
+
+
+@dataclass(frozen=True)
+class LabStatus:
+    plan: str
+    running: bool
+    generation: int = 0
+    mesh: str | None = None
+    timeout: float | None = None
+    ranks: tuple[RankStatus, ...] = ()
+    training: str | None = None
+
+    _COLUMNS = ("rank", "state", "pid", "engine", "device", "threads", "group", "coordinate")
+
+    def _rows(self) -> list[tuple[str, ...]]:
+        rows = []
+        for row in self.ranks:
+            rows.append(
+                (
+                    str(row.rank),
+                    row.state,
+                    "-" if row.pid is None else str(row.pid),
+                    "-" if row.engine is None else str(row.engine),
+                    row.device,
+                    "-" if row.threads is None else str(row.threads),
+                    "-" if row.generation is None else str(row.generation),
+                    "-" if row.coordinate is None else str(row.coordinate),
+                )
+            )
+        return rows
+
+    def headline(self) -> str:
+        if not self.running:
+            return f"lab stopped ({self.plan})"
+        mesh = f"mesh {self.mesh}" if self.mesh else "no mesh"
+        if self.training:
+            return f"lab running: {self.plan}; training in the background ({self.training}); {mesh}"
+        ready = sum(row.state == "ready" for row in self.ranks)
+        return (
+            f"lab running: {self.plan}; {ready}/{len(self.ranks)} ranks ready; "
+            f"process group generation {self.generation}; {mesh}; cell timeout {self.timeout:g} s"
+        )
+
+    @property
+    def healthy(self) -> bool:
+        return self.running and all(row.state == "ready" for row in self.ranks)
+
+    def __str__(self) -> str:
+        lines = [self.headline()]
+        rows = self._rows()
+        if rows:
+            widths = [max(len(column), *(len(row[i]) for row in rows)) for i, column in enumerate(self._COLUMNS)]
+            lines.append("  ".join(column.ljust(width) for column, width in zip(self._COLUMNS, widths)).rstrip())
+            for row in rows:
+                lines.append("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+        return "\n".join(lines)
+
+    def _repr_pretty_(self, printer, cycle) -> None:
+        printer.text(str(self))
+
+    def _repr_html_(self) -> str:
+        colour = {"ready": "#d9ead3", "busy": "#fff2cc", "dead": "#f4cccc", "no group": "#fce5cd", "training": "#cfe2f3"}
+        head = "".join(f"<th>{column}</th>" for column in self._COLUMNS)
+        body = "".join(
+            "<tr>"
+            + "".join(
+                f"<td style='padding:2px 8px;background:{colour.get(cells[1], 'white') if index == 1 else 'white'}'>"
+                f"{html.escape(cell)}</td>"
+                for index, cell in enumerate(cells)
+            )
+            + "</tr>"
+            for cells in self._rows()
+        )
+        table = f"<table><tr>{head}</tr>{body}</table>" if body else ""
+        return f"<div><b>{html.escape(self.headline())}</b>{table}</div>"
+
+
+def collect_status(session, timeout: float) -> LabStatus:
+    """Ask every rank who it is (bounded by ``timeout``); while a run trains, ask nobody."""
+    if session.cluster is None:
+        return LabStatus(session.plan.describe(), running=False)
+    cluster = session.cluster
+    training = session.busy_with
+    pending = {} if training else {
+        rank: cluster.engine(rank).apply_async(entry.identity) for rank in range(session.world_size)
+    }
+    deadline = time.monotonic() + timeout
+    rows = []
+    for rank in range(session.world_size):
+        alive = cluster.is_alive(rank)
+        info = None
+        if alive and rank in pending:
+            try:
+                info = pending[rank].get(max(0.0, deadline - time.monotonic()))
+            except Exception:
+                info = None
+        if not alive:
+            state = "dead"
+        elif training:
+            state = "training"
+        elif info is None:
+            state = "busy"
+        else:
+            state = "ready" if info["group_ready"] else "no group"
+        rows.append(
+            RankStatus(
+                rank=rank,
+                engine=cluster.engine_of.get(rank),
+                pid=cluster.pid_of.get(rank),
+                state=state,
+                device=info["device"] if info else "?",
+                threads=info["threads"] if info else None,
+                generation=info["generation"] if info else None,
+                coordinate=session.mesh_spec.coordinate(rank) if session.mesh_spec else None,
+            )
+        )
+    return LabStatus(
+        session.plan.describe(),
+        running=True,
+        generation=session.generation,
+        mesh=session.mesh_spec.describe() if session.mesh_spec else None,
+        timeout=session.timeout,
+        ranks=tuple(rows),
+        training=training,
+    )

@@ -1,0 +1,218 @@
+"""A training run in flight: live metrics, an optional dashboard, a clean stop.
+
+``Lab.train`` makes one. It sends ``rank.entry.train`` to every rank and, while the
+ranks work, reads the windows of step rows they publish (``ipyparallel``'s
+``AsyncResult.data``) into a ``MetricsTable`` that the ``Dashboard`` draws. In
+the background (``background=True``) the waiting happens on a thread of its
+own: the notebook stays free, the Stop button works, and ``wait()`` hands over
+the ``TrainReport``. Stopping never interrupts a collective: it asks the ranks,
+through the lab's control file, to finish the step they are in; they agree on
+the step to stop after and return what they did. Interrupting the kernel while
+a run blocks does the same first, and only then interrupts.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, replace
+
+from labkit.rank import entry
+from labkit.runs.dispatch import RankWork, make_output
+from labkit.runs.budget import enforce_budget
+from labkit.spec.errors import LabConfigError, LabError
+from labkit.views.metrics import DEFAULT_THRESHOLD, MetricsTable
+from labkit.spec.train_config import TrainConfig, resolve, resume_differences, user_settings
+from labkit.views.train_report import TrainReport
+
+STOP_GRACE_SECONDS = 15.0
+
+
+class TrainingRun:
+    def __init__(self, session, config, timeout: float, dashboard: bool, background: bool,
+                 straggler_threshold: float = DEFAULT_THRESHOLD) -> None:
+        self.session = session
+        self.config = config
+        self.timeout = timeout
+        self.background = background
+        mesh = config.mesh
+        stage = mesh.names.index("pp") if "pp" in mesh.names else None
+        peers = {rank: (mesh.coordinate(rank)[stage] if stage is not None else 0) for rank in range(session.world_size)}
+        self.table = MetricsTable(session.world_size, config.global_batch, peers, threshold=straggler_threshold)
+        self.dashboard = None
+        if dashboard:
+            from labkit.views.dashboard import Dashboard  # matplotlib and ipywidgets load with the first one
+
+            self.dashboard = Dashboard(self.table, config.describe(), on_stop=self.stop if background else None,
+                                       planned_steps=config.steps)
+        self.report: TrainReport | None = None
+        self.error: BaseException | None = None
+        self._done = threading.Event()
+        self._work: RankWork | None = None
+
+    # -- running ------------------------------------------------------------
+
+    def start(self) -> "TrainingRun":
+        ranks = list(range(self.session.world_size))
+        self.session.control.request_stop(False)
+        if self.dashboard is not None:
+            self.dashboard.show()
+        self._work = self.session.begin(
+            ranks,
+            entry.train,
+            (self.config,),
+            self.timeout,
+            # In the background, rank output would land in whatever cell runs then: keep it.
+            output=make_output(ranks, live=False if self.background else None, show_values=False,
+                               silent=self.background),
+            on_tick=self._tick,
+            on_interrupt=self._wind_down,
+        )
+        if self.background:
+            threading.Thread(target=self._finish, name="labkit-training-run", daemon=True).start()
+        else:
+            self._finish()
+        return self
+
+    def _tick(self, work: RankWork) -> None:
+        for result in work.results.values():
+            data = result.data if isinstance(result.data, dict) else {}
+            self.table.merge(data.get("labkit_rows"))
+        if self.dashboard is not None:
+            self.dashboard.update()
+
+    def _wind_down(self) -> float:
+        self.stop()
+        times = list(self.table.step_times().values())
+        return max(STOP_GRACE_SECONDS, 10 * (times[-1] if times else 0.0))
+
+    def _finish(self) -> None:
+        work = self._work
+        try:
+            reports = work.wait()
+            self.session.release(self)  # the ranks are free again: recovery below may use them
+            if work.failed:
+                self.error = self.session.failure(work, reports, self.timeout)
+            else:
+                results = [reports[rank]["value"] for rank in range(self.session.world_size)]
+                for result in results:
+                    self.table.merge_rows(result["rows"])
+                self.report = TrainReport(self.config, results)
+                total = self.config.first_step + self.report.steps_done
+                self.session.last_training = TrainingRecord(self.config, total, self.session.generation)
+        except BaseException as error:  # kept for wait(); a background thread has nobody else to tell
+            self.error = error
+        finally:
+            self.session.control.request_stop(False)
+            self.session.release(self)
+            if self.dashboard is not None:
+                self.dashboard.finish(self.status())
+            self._done.set()
+
+    # -- control --------------------------------------------------------------
+
+    def stop(self) -> None:
+        """Ask every rank to stop after the step it is in (they agree on which)."""
+        if not self._done.is_set():
+            self.session.control.request_stop(True)
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def finished(self, timeout: float | None = None) -> bool:
+        """Wait up to ``timeout`` seconds for the run to end; whether it has."""
+        return self._done.wait(timeout)
+
+    def wait(self, timeout: float | None = None) -> TrainReport:
+        """Block until the run ends; return its report or raise its failure."""
+        if not self._done.wait(timeout):
+            raise LabError(f"the run is still going after {timeout:g} s; run.stop() ends it at the next step")
+        if self.error is not None:
+            raise self.error
+        return self.report
+
+    def status(self) -> str:
+        # The outcome decides, not the done flag: the dashboard's last header is drawn just before it is set.
+        if self.error is not None:
+            return f"failed: {str(self.error).splitlines()[0]}"
+        report = self.report
+        if report is None:
+            step = self.table.latest_step
+            return "starting" if step is None else f"running, step {step + 1} of {self.config.steps}"
+        if report.stopped_early:
+            return f"stopped after {report.steps_done} of {self.config.steps} steps"
+        return f"done: {report.steps_done} steps, loss {report.losses[-1]:.4f}"
+
+    def __repr__(self) -> str:
+        return f"<TrainingRun {self.config.describe()}: {self.status()}>"
+
+
+@dataclass(frozen=True)
+class TrainingRecord:
+    """The notebook's note of the training state the ranks keep: which run, how far, on which group."""
+
+    config: TrainConfig
+    steps_done: int  # in all, over the run and its continuations
+    generation: int
+
+
+def _continuation(session, settings: dict, mesh) -> tuple[dict, dict | None, int]:
+    """Settings, mesh and first step of ``resume=True``: the last run's, with what was given changed."""
+    record = session.last_training
+    if record is None:
+        raise LabConfigError(
+            "there is no training run to resume: the lab has not trained since it started, or its process group "
+            "was rebuilt since (after a failure or a restart), which drops the ranks' training state. "
+            "Train without resume=True to start afresh."
+        )
+    before = record.config
+    kept = {name: value for name, value in before.as_dict().items() if name in user_settings()}
+    given = {name: value for name, value in settings.items() if value is not None}
+    if given.get("strategy", before.strategy) == before.strategy:
+        kept.update(before.options)  # (another strategy is refused below, saying so)
+    mesh = mesh or dict(zip(before.mesh_names, before.mesh_shape))
+    return {**kept, **given}, mesh, record.steps_done
+
+
+def resolve_run(session, settings: dict, mesh, resume: bool = False) -> TrainConfig:
+    """The checked ``TrainConfig`` of a run (a continuation of the last one with ``resume``)."""
+    first_step = 0
+    if resume:
+        settings, mesh, first_step = _continuation(session, settings, mesh)
+    else:  # what was not given takes TrainConfig's and the catalog's defaults
+        settings = {name: value for name, value in settings.items() if value is not None}
+    try:
+        config = resolve(session.world_size, mesh=mesh, lab_mesh=session.mesh_spec, **settings)
+    except LabConfigError:
+        raise
+    except (ValueError, TypeError) as error:
+        raise LabConfigError(str(error)) from None
+    if resume:
+        config = replace(config, first_step=first_step)
+        differences = resume_differences(session.last_training.config, config)
+        if differences:
+            raise LabConfigError(f"resume continues the last run, so only its length and reporting may change: "
+                                 f"{'; '.join(differences)}. Train without resume=True for a new run.")
+    return config
+
+
+def launch_training(session, settings: dict, mesh, timeout: float, dashboard: bool, background: bool,
+                    straggler_threshold: float, resume: bool = False) -> TrainingRun:
+    """``Lab.train``'s work: check everything, enforce the memory budget, start the run."""
+    config = resolve_run(session, settings, mesh, resume)
+    if config.tf32 and session.plan.device_type != "cuda":
+        raise LabConfigError("tf32 switches NVIDIA GPUs' matrix units to TensorFloat-32; this lab's ranks run on CPU "
+                             "(gloo), where it would change nothing: drop tf32, or start the lab with backend='nccl'")
+    session.require_idle()
+    if config.mesh_reason != "given":
+        print(f"{config.strategy} without a mesh: using {config.mesh.describe()}, {config.mesh_reason}")
+    if config.max_memory is not None and not resume:
+        enforce_budget(session, config)
+    run = TrainingRun(session, config, timeout, dashboard=dashboard, background=background,
+                      straggler_threshold=straggler_threshold)
+    session.claim(run)
+    try:
+        return run.start()
+    except BaseException:
+        session.release(run)  # a run that never started must not leave the lab busy
+        raise

@@ -1,0 +1,224 @@
+"""The lab's errors, and how a failure on several ranks is told in one message.
+
+Rank reports are the plain dicts ``rank.entry`` returns. A failure is grouped so
+that the cause stands first: ranks that raised (one traceback per distinct
+traceback), then ranks that hung and were interrupted, then ranks that only
+failed because a peer did (released from a collective), each with a line.
+The one-line summary names each distinct error with the first line of its
+message, so the cause can be read without scrolling to the tracebacks.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+
+from labkit.spec.schema import FailureKind
+
+
+class ShortTraceback:
+    """Mixin: IPython shows just "Type: message", not the lab's own call stack.
+
+    These errors explain themselves; the frames inside labkit that raised them
+    would only hide the message in a notebook. Scripts still get the traceback.
+    """
+
+    def _render_traceback_(self) -> list[str]:
+        lines = str(self).splitlines() or [""]
+        return [f"{type(self).__name__}: {lines[0]}", *lines[1:]]
+
+
+class LabError(ShortTraceback, RuntimeError):
+    """Base class of everything the lab raises on purpose."""
+
+
+class LabConfigError(ShortTraceback, ValueError):
+    """A request the lab refuses before anything runs (a ValueError)."""
+
+
+class StartupError(LabError):
+    """Ranks did not come up; nothing the lab started is left running."""
+
+
+class LabBusy(LabError):
+    """The ranks are busy with a training run in the background."""
+
+
+class LabNotRunning(LabError):
+    """The lab was asked to work before ``start()`` or after ``stop()``."""
+
+
+def format_ranks(ranks) -> str:
+    ranks = sorted(ranks)
+    word = "rank" if len(ranks) == 1 else "ranks"
+    return f"{word} {', '.join(str(rank) for rank in ranks)}"
+
+
+def _last_line(text: str) -> str:
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    return lines[-1] if lines else ""
+
+
+def _plain_message(text: str) -> str:
+    """A collective's error without what differs between ranks (source paths, peer ports)."""
+    text = re.sub(r"^\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", _last_line(text))
+    text = re.sub(r"\[[0-9a-fA-F.:]+\]:\d+", "[peer]", text)
+    return text.split(". ")[0].rstrip(".")
+
+
+# A summary is one line; a message longer than this is cut ("..." shows where).
+SUMMARY_MESSAGE_CHARS = 200
+# Past this many distinct messages the summary only names the ranks; the tracebacks say the rest.
+SUMMARY_MESSAGES = 3
+
+
+def _headline(message: str) -> str:
+    """The first non-empty line of an error message, shortened to fit a one-line summary."""
+    lines = [line.strip() for line in (message or "").splitlines() if line.strip()]
+    if not lines:
+        return ""
+    line = lines[0]
+    if len(line) > SUMMARY_MESSAGE_CHARS:
+        line = line[: SUMMARY_MESSAGE_CHARS - 3].rstrip() + "..."
+    return line
+
+
+def _raised_parts(raised: dict[int, dict]) -> list[str]:
+    """'ranks 0, 2 raised ValueError: boom' per distinct (type, first line), in rank order."""
+    by_cause = defaultdict(list)
+    for rank, error in raised.items():
+        by_cause[(error["type"], _headline(error.get("message", "")))].append(rank)
+    shown = list(by_cause.items())[:SUMMARY_MESSAGES]
+    # Ranks that each word their error differently (a rank number in it) would
+    # make the summary a paragraph: beyond a few, fold them into one part per type.
+    folded = defaultdict(list)
+    for (error_type, _), ranks in list(by_cause.items())[SUMMARY_MESSAGES:]:
+        folded[error_type].extend(ranks)
+    parts = [
+        f"{format_ranks(ranks)} raised {error_type}" + (f": {headline}" if headline else "")
+        for (error_type, headline), ranks in shown
+    ]
+    parts += [f"{format_ranks(ranks)} raised {error_type} (other messages)" for error_type, ranks in folded.items()]
+    return parts
+
+
+def _were(ranks) -> str:
+    return "was" if len(ranks) == 1 else "were"
+
+
+class RankFailure(LabError):
+    """Work failed on some ranks. ``reports`` holds every rank's report by rank."""
+
+    def __init__(
+        self,
+        reports: dict[int, dict],
+        timed_out: bool = False,
+        timeout_seconds: float | None = None,
+        interrupted: bool = False,
+        replaced: tuple[int, ...] = (),
+        recovery: str = "",
+    ) -> None:
+        self.reports = dict(sorted(reports.items()))
+        self.timed_out = timed_out
+        self.timeout_seconds = timeout_seconds
+        self.interrupted = interrupted
+        self.replaced = tuple(sorted(replaced))
+        self.recovery = recovery
+        super().__init__(self.summary())
+        # Scripts print notes under the message; IPython uses _render_traceback_.
+        details = self.details()
+        if details:
+            self.add_note(details)
+
+    # -- grouping -------------------------------------------------------------
+
+    def _errors(self, kind: str) -> dict[int, dict]:
+        return {
+            rank: report["error"]
+            for rank, report in self.reports.items()
+            if not report.get("ok") and report.get("error", {}).get("kind") == kind
+        }
+
+    @property
+    def raised(self) -> dict[int, dict]:
+        return self._errors(FailureKind.RAISED)
+
+    @property
+    def hung(self) -> dict[int, dict]:
+        """Ranks the notebook had to interrupt (or replace) to get them back."""
+        return self._errors(FailureKind.INTERRUPTED)
+
+    @property
+    def released(self) -> dict[int, dict]:
+        return self._errors(FailureKind.COLLECTIVE)
+
+    @property
+    def died(self) -> dict[int, dict]:
+        return self._errors(FailureKind.DIED)
+
+    @property
+    def failed_ranks(self) -> list[int]:
+        return sorted(rank for rank, report in self.reports.items() if not report.get("ok"))
+
+    def summary(self) -> str:
+        parts = _raised_parts(self.raised)
+        if self.died:
+            parts.append(f"{format_ranks(self.died)} died (process exited)")
+        if self.hung:
+            if self.interrupted:
+                parts.append(f"{format_ranks(self.hung)} interrupted")
+            else:
+                limit = f" within {self.timeout_seconds:g} s" if self.timeout_seconds else ""
+                parts.append(f"{format_ranks(self.hung)} did not finish{limit} and {_were(self.hung)} interrupted")
+        if self.released:
+            parts.append(f"{format_ranks(self.released)} failed in a collective waiting on a peer")
+        if self.replaced:
+            parts.append(f"{format_ranks(self.replaced)} did not respond and {_were(self.replaced)} replaced by fresh processes")
+        if not parts and self.timed_out:
+            parts.append(f"the work did not finish within {self.timeout_seconds:g} s")
+        return "; ".join(parts) or "work failed on some ranks"
+
+    def details(self) -> str:
+        """Every distinct traceback once, with the ranks that share it."""
+        blocks = []
+        by_traceback = defaultdict(list)
+        for rank, error in self.raised.items():
+            by_traceback[error["traceback"]].append(rank)
+        for text, ranks in by_traceback.items():
+            blocks.append(f"--- {format_ranks(ranks)} ---\n{text.rstrip()}")
+        for rank, error in self.died.items():
+            blocks.append(f"--- rank {rank} (died) ---\n{error['message']}")
+        by_place = defaultdict(list)
+        for rank, error in self.hung.items():
+            by_place[_last_frame(error["traceback"])].append(rank)
+        for place, ranks in by_place.items():
+            where = f" while in {place}" if place else ""
+            blocks.append(f"--- {format_ranks(ranks)} (interrupted{where}) ---")
+        by_message = defaultdict(list)
+        for rank, error in self.released.items():
+            by_message[f"{error['type']}: {_plain_message(error['message'])}"].append(rank)
+        for message, ranks in by_message.items():
+            blocks.append(f"--- {format_ranks(ranks)} (released from a collective) ---\n{message}")
+        if self.recovery:
+            blocks.append(self.recovery)
+        return "\n".join(blocks)
+
+    def _render_traceback_(self) -> list[str]:
+        """IPython shows this instead of the notebook-side traceback, which says nothing."""
+        return [f"{type(self).__name__}: {self.summary()}", *self.details().splitlines()]
+
+
+class RankTimeout(RankFailure):
+    """Work did not finish within its time limit."""
+
+
+class RankInterrupted(RankFailure, KeyboardInterrupt):
+    """The kernel was interrupted while ranks were working; they were stopped too."""
+
+
+def _last_frame(traceback_text: str) -> str:
+    """'File "<lab cell 3>", line 2' of the innermost frame, if there is one."""
+    frames = [line.strip() for line in traceback_text.splitlines() if line.strip().startswith("File ")]
+    if not frames:
+        return ""
+    return frames[-1].split(", in ")[0]

@@ -1,0 +1,117 @@
+"""The shapes of what ranks send back to the notebook, in one place.
+
+Everything that crosses from a rank to the notebook is a plain dict (it pickles
+cheaply and needs no labkit class on the other side); the ``TypedDict``s here
+name its keys and types, so the rank code that writes them and the notebook
+code that reads them (reports, metrics, dashboard, timeline) agree. The kinds of
+failure a rank can report are spelled here only.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, TypedDict
+
+
+class FailureKind:
+    """How a rank's work failed; ``spec.errors.RankFailure`` groups ranks by it."""
+
+    RAISED = "raised"  # the user's code raised
+    COLLECTIVE = "collective"  # failed because a peer failed or hung (connection closed, timed out)
+    INTERRUPTED = "interrupted"  # KeyboardInterrupt (the lab's escalation or the user), or unresponsive
+    DIED = "died"  # the process exited
+
+    ALL = (RAISED, COLLECTIVE, INTERRUPTED, DIED)
+
+
+class ErrorInfo(TypedDict):
+    type: str  # the exception's class name
+    message: str
+    traceback: str  # from the user's code down
+    kind: str  # one of FailureKind.ALL
+
+
+class RankReport(TypedDict, total=False):
+    """What one rank returns for one piece of work (``rank.runtime`` or ``runs.dispatch``)."""
+
+    rank: int
+    ok: bool
+    value: object  # a function's result
+    display: Optional[str]  # a cell's last expression, as repr
+    seconds: float
+    error: ErrorInfo
+
+
+class StepRow(TypedDict):
+    """One training step on one rank, as the instruments measured it (``rank.recorder``)."""
+
+    step: int  # counted from the start of this run
+    rank: int
+    start: float  # wall clock, seconds
+    seconds: float  # the whole step
+    compute: float  # the rank was busy (CPU) or the device computed (GPU)
+    exposed_comm: float  # seconds - compute: waiting for communication it could not overlap
+    comm: dict  # collective kind -> seconds from issue to completion
+    bytes: dict  # collective kind -> bytes sent
+    samples: int
+    tokens: Optional[int]
+    loss: Optional[float]
+    delay: float  # injected slowdown (lab.slow)
+
+
+class TimelineStep(TypedDict):
+    """The intervals of one recent step on one rank, for the timeline view."""
+
+    step: int
+    rank: int
+    start: float
+    end: float
+    busy: list  # (start, end, busy fraction) spans
+    collectives: list  # (kind, bytes, issued, completed)
+
+
+class MemoryBytes(TypedDict):
+    params: int
+    grads: int
+    optimizer: int
+
+
+class Verdict(TypedDict):
+    """The equivalence proof: distributed against single-process training (``rank.verify``)."""
+
+    max_relative_difference: float
+    model_moved: float
+    max_elementwise_difference: float
+    rounding_noise: float
+    bound: float
+    worst_parameter_here: str
+    parameters_compared_here: int
+
+
+class RankResult(TypedDict, total=False):
+    """One rank's account of a training run (``rank.loop.train``)."""
+
+    rank: int
+    role: str  # 'trainer', or a role a strategy gives (e.g. 'server')
+    coordinate: dict  # mesh axis -> index
+    owns_loss: bool  # under pipeline parallelism only the last stage computes the loss
+    first_step: int  # steps the state had taken before this run (a continuation)
+    losses: Optional[list]
+    step_seconds: list
+    steps_done: int
+    memory: MemoryBytes
+    rows: list  # StepRow
+    timeline: list  # TimelineStep
+    device_name: str
+    verify: Verdict
+
+
+EQUIVALENCE_TOLERANCE = 1e-5  # equal: within the larger of this and NOISE_FACTOR x the run's rounding noise
+NOISE_FACTOR = 10.0  # (see rank/verify.py: one process summing in another order measures the noise)
+LARGEST_BOUND = 1e-3  # past this, rounding noise would hide real errors: never equal
+
+
+def equivalence_bound(rounding_noise: float) -> float:
+    """max(1e-5, 10 x rounding noise), never above 1e-3 (where noise would hide real errors)."""
+    return min(max(EQUIVALENCE_TOLERANCE, NOISE_FACTOR * rounding_noise), LARGEST_BOUND)
+
+

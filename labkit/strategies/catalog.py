@@ -1,0 +1,182 @@
+"""The strategy catalog: the one place where a way of splitting the work is declared.
+
+Each entry says, without torch: its name, the mesh axis it uses, where it is
+applied in a composition, its settings with their defaults and the
+``%lab train`` option for each, how to check a run before any rank works, and
+whether it divides memory (so a refused memory budget may suggest it). Config
+checks (``spec.train_config``), budget refusals (``runs.budget``), the magics'
+options, the tests and the benchmarks all read this table.
+
+The rank side of an entry is its module (``labkit.strategies.<name>``), loaded
+on the ranks only, with one function::
+
+    apply(composition, axis_mesh, config) -> None
+
+It changes ``composition`` (``strategies.compose.Composition``): it may shard or
+wrap the model, add a gradient synchronisation to run after backward, wrap the
+optimizer step (a context manager around ``optimizer.step()``, where DiLoCo's
+outer step or a parameter server's push and pull go), or give ranks roles (for
+example ``server`` and ``worker``) with a loop of their own. A new strategy is
+its module plus one ``Strategy`` below.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+AXIS_ORDER = ("pp", "dp", "tp")  # outermost first: tp innermost keeps its groups on neighbouring ranks
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One setting a strategy adds to ``lab.train`` (and to ``%lab train`` as ``flag``)."""
+
+    name: str
+    default: Any
+    help: str
+    choices: tuple = ()
+    flag: str | None = None  # default: --name-with-dashes; a True default gets --no-... instead
+
+    @property
+    def option(self) -> str:
+        if self.flag:
+            return self.flag
+        words = self.name.replace("_", "-")
+        return f"--no-{words}" if self.default is True else f"--{words}"
+
+    def check(self, value, strategy: str) -> None:
+        if self.choices and value not in self.choices:
+            raise ValueError(f"unknown {self.name} {value!r} for {strategy}: choose {' or '.join(self.choices)}")
+        if isinstance(self.default, bool) and not isinstance(value, bool):
+            raise ValueError(f"{self.name} ({strategy}) is True or False, got {value!r}")
+        if isinstance(self.default, float) and (
+            isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0
+        ):
+            raise ValueError(f"{self.name} ({strategy}) is a positive number, got {value!r}")
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One way of splitting the work; see the module docstring for the rank side."""
+
+    name: str
+    axis: str
+    order: int  # position when composed on a rank: lower first
+    summary: str
+    settings: tuple[Setting, ...] = ()
+    shards_memory: bool = False  # divides parameters, gradients and optimizer state over its axis
+    # Torch-free checks of a resolved config using this strategy; raise ValueError with the reason.
+    check: Callable[[Any], None] | None = None
+    # Defaults that depend on the mesh (e.g. pipeline microbatches), filled before the checks.
+    defaults: Callable[[Any], dict] | None = None
+    # Each rank's role under this strategy (None: every rank trains the same way).
+    roles: Callable[[Any, int], str] | None = None
+    module: str = field(default="")
+
+    @property
+    def module_name(self) -> str:
+        return self.module or f"labkit.strategies.{self.name}"
+
+
+def _check_pp(config) -> None:
+    pp = config.axis("pp")
+    config.model_config.check_stages(pp)
+    if config.schedule == "1f1b" and config.micro_batches < pp:
+        raise ValueError(f"1F1B needs at least as many microbatches as stages: micro_batches >= {pp}")
+
+
+def _check_tp(config) -> None:
+    config.model_config.check_tp(config.axis("tp"), config.sequence_parallel)
+
+
+CATALOG: dict[str, Strategy] = {
+    entry.name: entry
+    for entry in (
+        Strategy(
+            "ddp", axis="dp", order=2,
+            summary="data parallel: a whole model per rank, gradients averaged (torch DDP)",
+            settings=(Setting("bucket_cap_mb", 25.0, "DDP gradient bucket size, MB"),),
+        ),
+        Strategy(
+            "fsdp", axis="dp", order=2, shards_memory=True,
+            summary="fully sharded data parallel: parameters, gradients and optimizer state sharded (FSDP2)",
+            settings=(Setting("reshard_after_forward", True, "FSDP: free gathered parameters after forward",
+                              flag="--no-reshard"),),
+        ),
+        Strategy(
+            "tp", axis="tp", order=0, shards_memory=True, check=_check_tp,
+            summary="tensor parallel: layers split over ranks (DTensor)",
+            settings=(Setting("sequence_parallel", False, "TP: shard norms and residuals by sequence"),),
+        ),
+        Strategy(
+            "pp", axis="pp", order=1, shards_memory=True, check=_check_pp,
+            defaults=lambda config: {"micro_batches": config.axis("pp")},
+            summary="pipeline parallel: stages of layers, microbatches in flight (torch.distributed.pipelining)",
+            settings=(Setting("schedule", "1f1b", "pipeline schedule", choices=("gpipe", "1f1b")),),
+        ),
+    )
+}
+
+
+def strategy(name: str) -> Strategy:
+    return CATALOG[name]
+
+
+def parse_strategy(text) -> tuple[str, ...]:
+    """``"fsdp+tp"`` -> ("fsdp", "tp"); unknown names, repeats and two parts on one axis are refused."""
+    if not isinstance(text, str):
+        raise ValueError(f"a strategy is a name such as 'ddp' or 'fsdp+tp', got {text!r}")
+    parts = tuple(part.strip().lower() for part in text.split("+") if part.strip())
+    unknown = [part for part in parts if part not in CATALOG]
+    if not parts or unknown:
+        raise ValueError(
+            f"unknown strategy {text!r}: use {', '.join(CATALOG)} or a composition such as fsdp+tp, ddp+pp, pp+tp"
+        )
+    if len(set(parts)) != len(parts):
+        raise ValueError(f"strategy {text!r} names a part twice")
+    axes = [CATALOG[part].axis for part in parts]
+    for axis in set(axes):
+        sharing = [part for part in parts if CATALOG[part].axis == axis]
+        if len(sharing) > 1:
+            raise ValueError(f"{' and '.join(sharing)} both use the {axis} axis: choose one of them")
+    return parts
+
+
+def axes_of(parts) -> list[str]:
+    """The mesh axes a composition needs, outermost first."""
+    return sorted({CATALOG[part].axis for part in parts}, key=AXIS_ORDER.index)
+
+
+def settings_by_name() -> dict[str, tuple[str, Setting]]:
+    """Every strategy setting: name -> (owning strategy, setting)."""
+    return {setting.name: (entry.name, setting) for entry in CATALOG.values() for setting in entry.settings}
+
+
+def sharding_alternatives() -> tuple[str, ...]:
+    """Single strategies that divide memory: what a refused budget may suggest."""
+    return tuple(name for name, entry in CATALOG.items() if entry.shards_memory)
+
+
+def compositions(world_size: int) -> tuple[str, ...]:
+    """Every strategy and composition a lab of ``world_size`` ranks can run: one part per axis, and
+    at least 2 ranks on each axis (the tests and benchmarks run them all)."""
+    from itertools import combinations
+
+    found = []
+    for count in range(1, len(AXIS_ORDER) + 1):
+        if 2**count > world_size and count > 1:
+            break
+        for parts in combinations(CATALOG, count):
+            if len({CATALOG[part].axis for part in parts}) == count:
+                found.append("+".join(sorted(parts, key=lambda part: (CATALOG[part].order != 2, part))))
+    return tuple(found)
+
+
+def role_of(parts, config, rank: int) -> str:
+    """This rank's role in a composition: the first part that assigns roles decides; else 'trainer'."""
+    for part in parts:
+        entry = CATALOG[part]
+        if entry.roles is not None:
+            return entry.roles(config, rank)
+    return "trainer"

@@ -1,0 +1,159 @@
+"""Every catalog strategy composed on a rank, in the catalog's order, into one ``ParallelModel``.
+
+``parallelize(model, mesh, config, ...)`` builds a ``Composition`` and hands it
+to each part's ``apply(composition, axis_mesh, config)`` (``labkit.strategies.<name>``),
+lowest catalog ``order`` first: tensor parallelism shards layers, pipeline
+parallelism keeps this rank's stage, data parallelism (DDP or FSDP2) wraps what
+is left. A part may replace the model, add a gradient synchronisation to run
+after backward, wrap the optimizer step, leave work for after every part has
+applied (the pipeline's runner needs the final model), or give this rank a role.
+
+The result, a ``ParallelModel``, runs one step's forward and backward for this
+rank and then the optimizer step, whatever the composition, so the training
+loop is the same for all.
+
+Precision: float32 by default (the equivalence proof runs in it). With
+``precision="bf16"`` FSDP casts parameters to bfloat16 for compute and reduces
+gradients in float32 (its ``MixedPrecisionPolicy``); everything else runs the
+forward under ``torch.autocast`` in bfloat16, keeping float32 master weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+
+import torch
+import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule
+
+from labkit.strategies.catalog import role_of, strategy
+from labkit.strategies.ddp import accumulation_context
+
+
+def autocast_for(precision: str, device: torch.device):
+    """A context that runs the forward in ``precision`` (bf16: autocast; fp32: nothing)."""
+    if precision == "bf16":
+        return lambda: torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext
+
+
+class ParallelModel:
+    """This rank's share of the model and how to run a step on it.
+
+    ``backward_watch(loss)`` is entered around each backward pass; the GPU
+    instruments set it to note where the device waits for gradient communication.
+    """
+
+    def __init__(self, module: nn.Module, loss_fn, micro_batches: int, runner=None, grad_syncs=(),
+                 autocast=contextlib.nullcontext, step_wrappers=(), role: str = "trainer") -> None:
+        self.module = module
+        self.loss_fn = loss_fn
+        self.micro_batches = micro_batches
+        self.runner = runner
+        self.grad_syncs = list(grad_syncs)
+        self.autocast = autocast
+        self.step_wrappers = list(step_wrappers)
+        self.role = role
+        self.backward_watch = lambda loss: contextlib.nullcontext()
+
+    @property
+    def owns_loss(self) -> bool:
+        """Whether this rank computes the loss (under PP only the last stage does)."""
+        return self.runner is None or self.runner.is_last
+
+    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
+        """Gradients of the mean loss over this rank's batch; that loss where this rank has it.
+
+        The loss comes back as a 0-d tensor on the rank's device: reading it
+        (``float``) would make the CPU wait for the GPU every step.
+        """
+        if self.runner is not None:
+            with self.autocast():
+                loss = self.runner.step(inputs, targets)
+        else:
+            loss = None
+            pairs = list(zip(inputs.chunk(self.micro_batches), targets.chunk(self.micro_batches)))
+            for index, (micro_inputs, micro_targets) in enumerate(pairs):
+                last = index == len(pairs) - 1
+                with _micro_step(self.module, last):
+                    with self.autocast():
+                        micro_loss = self.loss_fn(self.module(micro_inputs), micro_targets) / len(pairs)
+                    with self.backward_watch(micro_loss):
+                        micro_loss.backward()
+                loss = micro_loss.detach() if loss is None else loss + micro_loss.detach()
+        for sync in self.grad_syncs:
+            sync()
+        return loss
+
+    def optimizer_step(self, optimizer) -> None:
+        """``optimizer.step()`` inside every wrapper a strategy added (outermost first)."""
+        with contextlib.ExitStack() as wrappers:
+            for wrap in self.step_wrappers:
+                wrappers.enter_context(wrap(optimizer))
+            optimizer.step()
+
+    def named_parameters(self):
+        """Parameter names as in the unwrapped model (DDP's ``module.`` prefix removed)."""
+        for name, parameter in self.module.named_parameters():
+            yield name.removeprefix("module."), parameter
+
+
+def _micro_step(module: nn.Module, last: bool):
+    """Skip gradient synchronisation on accumulation micro-steps (DDP and FSDP)."""
+    if isinstance(module, FSDPModule):
+        module.set_requires_gradient_sync(last)
+        return contextlib.nullcontext()
+    return accumulation_context(module, last)
+
+
+class Composition:
+    """What the strategies build together on one rank; each part's ``apply`` changes it.
+
+    ``estimate_only``: the model lives on the meta device to count its shards'
+    bytes; parts shard it as they would, but build nothing that communicates.
+    """
+
+    def __init__(self, model: nn.Module, config, loss_fn, device: torch.device, backend: str,
+                 estimate_only: bool = False) -> None:
+        self.model = model
+        self.config = config
+        self.parts = config.parts
+        self.loss_fn = loss_fn
+        self.device = device
+        self.backend = backend
+        self.estimate_only = estimate_only
+        self.grad_syncs: list = []  # called after backward, in order
+        self.step_wrappers: list = []  # context managers around optimizer.step(), given the optimizer
+        self.after_all: list = []  # work that needs the final model (called with the composition)
+        self.runner = None  # runs forward and backward itself (the pipeline's schedule)
+        self.own_precision = False  # a part casts for itself (FSDP's policy): no autocast
+        self.role = "trainer"
+
+    def uses(self, part: str) -> bool:
+        return part in self.parts
+
+
+def _compose(composition: Composition, mesh) -> Composition:
+    for part in sorted(composition.parts, key=lambda name: strategy(name).order):
+        entry = strategy(part)
+        importlib.import_module(entry.module_name).apply(composition, mesh[entry.axis], composition.config)
+    if not composition.estimate_only:
+        for finish in composition.after_all:
+            finish(composition)
+    return composition
+
+
+def parallelize(model: nn.Module, mesh, config, loss_fn, device: torch.device, backend: str,
+                rank: int = 0) -> ParallelModel:
+    composition = _compose(Composition(model, config, loss_fn, device, backend), mesh)
+    autocast = contextlib.nullcontext if composition.own_precision else autocast_for(config.precision, device)
+    return ParallelModel(composition.model, loss_fn, config.micro_batches, runner=composition.runner,
+                         grad_syncs=composition.grad_syncs, autocast=autocast,
+                         step_wrappers=composition.step_wrappers, role=role_of(config.parts, config, rank))
+
+
+def shard_for_memory_estimate(model: nn.Module, mesh, config, backend: str) -> nn.Module:
+    """Apply the same sharding to a meta-device model (no memory used); DDP keeps a full copy."""
+    composition = Composition(model, config, None, torch.device("meta"), backend, estimate_only=True)
+    return _compose(composition, mesh).model

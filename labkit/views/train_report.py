@@ -1,0 +1,243 @@
+"""What a training run tells the notebook: loss, speed, memory per rank, equivalence.
+
+Built from every rank's result dict (see ``train.train``); pure, no torch. The
+loss of a step is the mean over data-parallel replicas of the loss each replica
+computed on its slice (only the last pipeline stage computes it; tensor-parallel
+ranks of a replica compute the same value). A step takes as long as its slowest
+rank.
+"""
+
+from __future__ import annotations
+
+import html
+import statistics
+from dataclasses import dataclass
+
+from labkit.runs.budget import total_bytes as _total
+from labkit.spec.device_peaks import math_kind, peak_tflops
+from labkit.spec.schema import EQUIVALENCE_TOLERANCE, NOISE_FACTOR, RankResult, equivalence_bound
+from labkit.spec.train_config import TrainConfig
+from labkit.units import format_bytes
+
+@dataclass
+class TrainReport:
+    config: TrainConfig
+    results: list[RankResult]  # one per rank, in rank order
+
+    # -- derived numbers ------------------------------------------------------
+
+    @property
+    def steps_done(self) -> int:
+        """Steps every rank completed (fewer than asked if the run was stopped)."""
+        return min(r["steps_done"] for r in self.results)
+
+    @property
+    def stopped_early(self) -> bool:
+        return self.steps_done < self.config.steps
+
+    @property
+    def losses(self) -> list[float]:
+        """Per step: the mean over dp replicas of each replica's loss."""
+        owners = [
+            r for r in self.results if r["owns_loss"] and r["coordinate"].get("tp", 0) == 0 and r["losses"] is not None
+        ]
+        return [statistics.fmean(owner["losses"][step] for owner in owners) for step in range(self.steps_done)]
+
+    @property
+    def step_seconds(self) -> list[float]:
+        """Per step: the slowest rank's time."""
+        return [max(r["step_seconds"][step] for r in self.results) for step in range(self.steps_done)]
+
+    @property
+    def median_step_seconds(self) -> float:
+        """Median over steps, leaving out the first (it warms up)."""
+        times = self.step_seconds
+        return statistics.median(times[1:] or times)
+
+    def _steady_rows(self, result: dict) -> list[dict]:
+        rows = result.get("rows") or []
+        return rows[1:] or rows
+
+    @property
+    def comm_bytes_per_step(self) -> dict[str, int]:
+        """Bytes through collectives in one step, by kind, summed over ranks (mean over steps)."""
+        total: dict[str, float] = {}
+        for result in self.results:
+            rows = self._steady_rows(result)
+            for row in rows:
+                for kind, size in row["bytes"].items():
+                    total[kind] = total.get(kind, 0) + size / len(rows)
+        return {kind: int(round(size)) for kind, size in sorted(total.items())}
+
+    def per_rank_means(self, field: str) -> list[float]:
+        """Mean of a row field (compute, exposed_comm, seconds) per rank, over steady steps."""
+        means = []
+        for result in self.results:
+            rows = self._steady_rows(result)
+            means.append(statistics.fmean(row[field] for row in rows) if rows else 0.0)
+        return means
+
+    @property
+    def comm_bytes_per_rank(self) -> float:
+        """Mean over ranks of the bytes each moved through collectives in one step."""
+        return sum(self.comm_bytes_per_step.values()) / len(self.results)
+
+    @property
+    def samples_per_second(self) -> float:
+        return self.config.global_batch / self.median_step_seconds
+
+    @property
+    def tokens_per_second(self) -> float | None:
+        if self.config.model != "gpt":
+            return None
+        return self.samples_per_second * self.config.model_config.seq
+
+    @property
+    def device_name(self) -> str:
+        return self.results[0].get("device_name", "cpu")
+
+    @property
+    def model_flops_per_step(self) -> int:
+        """The model's training FLOPs for one step's global batch, however it is split."""
+        return self.config.model_config.training_flops_per_sample() * self.config.global_batch
+
+    @property
+    def achieved_tflops(self) -> float:
+        """Model FLOPs per second over all ranks, in TFLOP/s."""
+        return self.model_flops_per_step / self.median_step_seconds / 1e12
+
+    @property
+    def peak_tflops(self) -> float | None:
+        """Peak of one device for this run's math: given, or from the data sheet; None when unknown."""
+        if self.config.peak_tflops is not None:
+            return float(self.config.peak_tflops)
+        if self.device_name == "cpu":
+            return None
+        return peak_tflops(self.device_name, self.config.precision, self.config.tf32)
+
+    @property
+    def mfu(self) -> float | None:
+        """Model FLOPs utilisation: achieved model FLOPs over the peak of all the run's devices."""
+        peak = self.peak_tflops
+        return None if peak is None else self.achieved_tflops / (peak * len(self.results))
+
+    @property
+    def memory(self) -> list[dict]:
+        return [r["memory"] for r in self.results]
+
+    @property
+    def max_memory_bytes(self) -> int:
+        return max(_total(memory) for memory in self.memory)
+
+    @property
+    def verify(self) -> dict | None:
+        return self.results[0].get("verify")
+
+    @property
+    def max_relative_difference(self) -> float | None:
+        return None if self.verify is None else self.verify["max_relative_difference"]
+
+    @property
+    def equivalence_bound(self) -> float | None:
+        """The largest difference that is still rounding: max(1e-5, 10 x the run's rounding noise)."""
+        return None if self.verify is None else equivalence_bound(self.verify.get("rounding_noise", 0.0))
+
+    @property
+    def equivalent(self) -> bool | None:
+        difference = self.max_relative_difference
+        return None if difference is None else difference < self.equivalence_bound
+
+    def timeline(self, steps: int | None = 4):
+        """A Gantt picture of the last ``steps`` steps on every rank (``export_trace`` for Perfetto)."""
+        from labkit.views.timeline import Timeline
+
+        entries = {result["rank"]: result["timeline"] for result in self.results}
+        if not all(entries.values()):
+            raise ValueError("this run kept no timeline (it ran with instruments=False)")
+        return Timeline(entries, steps, title=f"{self.config.describe()}: last steps")
+
+    def export_trace(self, path: str, steps: int | None = None) -> str:
+        """Write a Chrome/Perfetto trace of the last steps (all that were kept by default)."""
+        return self.timeline(steps).export_trace(path)
+
+    # -- pictures ---------------------------------------------------------------
+
+    def _memory_rows(self) -> list[tuple[str, ...]]:
+        rows = []
+        for result in self.results:
+            memory = result["memory"]
+            where = " ".join(f"{name}={index}" for name, index in result["coordinate"].items())
+            rows.append(
+                (
+                    str(result["rank"]),
+                    where,
+                    format_bytes(memory["params"]),
+                    format_bytes(memory["grads"]),
+                    format_bytes(memory["optimizer"]),
+                    format_bytes(_total(memory)),
+                )
+            )
+        return rows
+
+    def summary_lines(self) -> list[str]:
+        config, losses = self.config, self.losses
+        rate = f"{self.samples_per_second:,.0f} samples/s"
+        if self.tokens_per_second is not None:
+            rate += f" ({self.tokens_per_second:,.0f} tokens/s)"
+        total = sum(self.comm_bytes_per_step.values()) or 1
+        kinds = ", ".join(  # kinds under 0.1% of the traffic (DDP's one-off bucket rebuild, say) are left out
+            f"{kind} {format_bytes(size / len(self.results))}" for kind, size in self.comm_bytes_per_step.items()
+            if size >= total / 1000
+        )
+        stopped = f" (stopped after {self.steps_done})" if self.stopped_early else ""
+        if config.first_step:
+            stopped += f", continuing the last run from step {config.first_step}"
+        lines = [
+            f"{config.describe()}: {config.steps} steps{stopped}, global batch {config.global_batch}",
+            f"loss {losses[0]:.4f} -> {losses[-1]:.4f}",
+            f"step time {self.median_step_seconds * 1000:.1f} ms (median, slowest rank), {rate}",
+            f"communication per rank and step: {format_bytes(self.comm_bytes_per_rank)}" + (f" ({kinds})" if kinds else ""),
+        ]
+        if self.device_name != "cpu" or config.peak_tflops is not None:
+            math = math_kind(config.precision, config.tf32)
+            flops = f"model FLOPs {self.achieved_tflops:,.1f} TFLOP/s on {len(self.results)} x {self.device_name}"
+            if self.mfu is None:
+                flops += f"; MFU unknown: no {math} peak known for this device (give peak_tflops=...)"
+            else:
+                flops += f", MFU {self.mfu:.1%} of the {math} peak ({self.peak_tflops:g} TFLOP/s each)"
+            lines.append(flops)
+        if config.max_memory:
+            verdict = "within" if self.max_memory_bytes <= config.max_memory else "OVER"
+            lines.append(
+                f"memory budget {format_bytes(config.max_memory)} per rank: largest rank uses "
+                f"{format_bytes(self.max_memory_bytes)} ({verdict})"
+            )
+        if self.verify is not None:
+            verdict = "equal" if self.equivalent else "NOT equal"
+            noise = self.verify.get("rounding_noise", 0.0)
+            lines.append(
+                f"against single-process training: largest relative difference of a parameter "
+                f"{self.max_relative_difference:.1e} ({verdict} within max({EQUIVALENCE_TOLERANCE:g}, "
+                f"{NOISE_FACTOR:g} x the rounding noise {noise:.1e}); "
+                f"training moved the model {self.verify['model_moved']:.1%} from its start)"
+            )
+        return lines
+
+    def __str__(self) -> str:
+        header = ("rank", "mesh", "params", "grads", "optimizer", "total")
+        rows = self._memory_rows()
+        widths = [max(len(header[i]), *(len(row[i]) for row in rows)) for i in range(len(header))]
+        table = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in [header, *rows]]
+        return "\n".join([*self.summary_lines(), "memory per rank:", *table])
+
+    def _repr_pretty_(self, printer, cycle) -> None:
+        printer.text(str(self))
+
+    def _repr_html_(self) -> str:
+        head = "".join(f"<th>{cell}</th>" for cell in ("rank", "mesh", "params", "grads", "optimizer", "total"))
+        body = "".join(
+            "<tr>" + "".join(f"<td style='padding:2px 8px'>{html.escape(cell)}</td>" for cell in row) + "</tr>"
+            for row in self._memory_rows()
+        )
+        lines = "".join(f"<div>{html.escape(line)}</div>" for line in self.summary_lines())
+        return f"<div>{lines}<div>memory per rank:</div><table><tr>{head}</tr>{body}</table></div>"

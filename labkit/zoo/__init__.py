@@ -1,0 +1,1 @@
+"""The models and data every strategy trains: configs (no torch), models, synthetic datasets."""

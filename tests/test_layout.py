@@ -1,0 +1,84 @@
+"""The code's layout holds: the notebook side loads without torch, runs go through the session.
+
+These read the package itself (a fresh interpreter, the source files); no ranks start.
+"""
+
+import ast
+import pathlib
+import subprocess
+import sys
+
+import labkit
+
+PACKAGE = pathlib.Path(labkit.__file__).parent
+HEAVY = ("torch", "matplotlib", "ipywidgets")
+
+
+def _loaded_after(code: str) -> list[str]:
+    probe = f"import sys\n{code}\nprint(','.join(m for m in {HEAVY!r} if m in sys.modules))"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return [name for name in done.stdout.strip().split(",") if name]
+
+
+def test_the_notebook_side_loads_without_torch_matplotlib_or_ipywidgets():
+    code = (
+        "import labkit, labkit.lab, labkit.magics\n"
+        "from labkit import Lab, TrainReport, TrainingRun, MeshSpec\n"
+        "from IPython.core.interactiveshell import InteractiveShell\n"
+        "shell = InteractiveShell.instance()\n"
+        "shell.run_line_magic('load_ext', 'labkit')\n"
+        "lab = Lab(ranks=4)\n"
+        "from labkit.spec.train_config import resolve\n"
+        "resolve(4, strategy='fsdp+tp', model='gpt')\n"
+    )
+    assert _loaded_after(code) == []
+
+
+def test_the_dashboard_loads_its_libraries_when_first_used():
+    assert set(_loaded_after("import labkit.views.dashboard")) >= {"matplotlib", "ipywidgets"}
+
+
+def _attribute_reads(path: pathlib.Path):
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+            yield node.value.id, node.attr, node.lineno
+
+
+def test_no_module_reaches_into_the_session_or_the_lab():
+    offences = []
+    for path in PACKAGE.rglob("*.py"):
+        if path.name == "session.py":
+            continue
+        for owner, attribute, line in _attribute_reads(path):
+            if owner in ("session", "lab") and attribute.startswith("_"):
+                offences.append(f"{path.relative_to(PACKAGE)}:{line} {owner}.{attribute}")
+    assert offences == []
+
+
+def test_the_rank_side_is_the_only_one_importing_torch_at_module_level():
+    notebook_side = ["spec", "runs", "views", "cluster"]
+    offences = []
+    for folder in notebook_side:
+        for path in (PACKAGE / folder).rglob("*.py"):
+            if path.name == "process_host.py":
+                continue  # it preloads torch into the ranks it forks, on purpose
+            tree = ast.parse(path.read_text())
+            for node in tree.body:  # module level only: functions may import on the ranks
+                names = []
+                if isinstance(node, ast.Import):
+                    names = [alias.name for alias in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.module:
+                    names = [node.module]
+                for name in names:
+                    if name.split(".")[0] == "torch" or name.startswith("labkit.rank.") and name not in (
+                        "labkit.rank.entry", "labkit.rank.bench"
+                    ):
+                        offences.append(f"{path.relative_to(PACKAGE)}: {name}")
+    assert offences == []
+
+
+def test_no_module_is_over_400_lines():
+    long = {str(p.relative_to(PACKAGE)): n for p in PACKAGE.rglob("*.py") if (n := len(p.read_text().splitlines())) > 400}
+    assert long == {}
