@@ -76,3 +76,16 @@ def test_budget_alternatives_are_the_memory_dividing_entries():
 def test_ranks_are_trainers_unless_a_strategy_gives_roles():
     config = resolve(4, strategy="ddp")
     assert {role_of(config.parts, config, rank) for rank in range(4)} == {"trainer"}
+
+
+def test_registering_a_strategy_refuses_clashes():
+    from labkit.strategies.catalog import Setting, Strategy, register
+
+    with pytest.raises(ValueError, match="already called 'ddp'"):
+        register(Strategy("ddp", axis="dp", order=2, summary="another ddp"))
+    with pytest.raises(ValueError, match="bucket_cap_mb belong to other strategies"):
+        register(Strategy("mine", axis="dp", order=2, summary="x", settings=(Setting("bucket_cap_mb", 1.0, "x"),)))
+    with pytest.raises(ValueError, match="axis 'ep' is not one of"):
+        register(Strategy("experts", axis="ep", order=2, summary="x"))
+    assert "mine" not in CATALOG and "experts" not in CATALOG
+    register(CATALOG["ddp"])  # the same entry again is fine

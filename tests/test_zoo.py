@@ -97,3 +97,17 @@ def test_check_stages_refuses_more_stages_than_layers(config, pp, message):
 @pytest.mark.parametrize("config, pp", [(MLPConfig(dims=(8, 16, 4)), 2), (GPTConfig(layers=4), 4), (GPTConfig(), 1)])
 def test_check_stages_accepts_a_stage_per_layer_or_fewer(config, pp):
     config.check_stages(pp)
+
+
+def test_tp_checks_the_pairs_each_pipeline_stage_makes():
+    # 5 layers over 2 stages: stage 1 holds layers 3 and 4 and pairs them, splitting width 5,
+    # which the whole model's pairs (0,1) and (2,3) never split.
+    from labkit.spec.train_config import resolve
+
+    dims = (8, 8, 8, 8, 5, 8)
+    assert resolve(2, strategy="tp", model="mlp", model_settings=dict(dims=dims)).axis("tp") == 2
+    MLPConfig(dims=dims).check_tp(2, False)
+    with pytest.raises(ValueError, match=r"tp=2 must divide the widths it splits; \[5\]"):
+        MLPConfig(dims=dims).check_tp(2, False, stages=2)
+    with pytest.raises(ValueError, match=r"\[5\] do not"):
+        resolve(4, strategy="pp+tp", model="mlp", mesh=dict(pp=2, tp=2), model_settings=dict(dims=dims))

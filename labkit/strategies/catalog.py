@@ -50,6 +50,8 @@ class Setting:
             raise ValueError(f"unknown {self.name} {value!r} for {strategy}: choose {' or '.join(self.choices)}")
         if isinstance(self.default, bool) and not isinstance(value, bool):
             raise ValueError(f"{self.name} ({strategy}) is True or False, got {value!r}")
+        if type(self.default) is int and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{self.name} ({strategy}) is a positive integer, got {value!r}")
         if isinstance(self.default, float) and (
             isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0
         ):
@@ -87,7 +89,7 @@ def _check_pp(config) -> None:
 
 
 def _check_tp(config) -> None:
-    config.model_config.check_tp(config.axis("tp"), config.sequence_parallel)
+    config.model_config.check_tp(config.axis("tp"), config.sequence_parallel, stages=config.axis("pp"))
 
 
 CATALOG: dict[str, Strategy] = {
@@ -121,6 +123,23 @@ CATALOG: dict[str, Strategy] = {
 
 def strategy(name: str) -> Strategy:
     return CATALOG[name]
+
+
+def register(entry: Strategy) -> None:
+    """Add a strategy from outside labkit (a plugin, a workshop exercise, a test).
+
+    It must be registered wherever it is used: in the notebook, and on the ranks
+    (``lab.run(register, entry)``). Its module must be importable on the ranks."""
+    if entry.axis not in AXIS_ORDER:
+        raise ValueError(f"strategy {entry.name!r}: axis {entry.axis!r} is not one of {', '.join(AXIS_ORDER)}")
+    known = CATALOG.get(entry.name)
+    if known is not None and known != entry:
+        raise ValueError(f"a different strategy is already called {entry.name!r}")
+    taken = {name for name, (owner, _) in settings_by_name().items() if owner != entry.name}
+    clashes = sorted(taken & {setting.name for setting in entry.settings})
+    if clashes:
+        raise ValueError(f"strategy {entry.name!r}: settings {', '.join(clashes)} belong to other strategies")
+    CATALOG[entry.name] = entry
 
 
 def parse_strategy(text) -> tuple[str, ...]:

@@ -57,11 +57,18 @@ class MLPConfig(_Layered):
         # (the gradient of the input and of the weight): 6 per parameter.
         return 6 * self.parameters
 
-    def check_tp(self, tp: int, sequence_parallel: bool) -> None:
-        """Refuse, before anything runs, a split that does not divide the widths it shards."""
-        # Layer i (column-wise) and i+1 (row-wise) both split width dims[i+1].
-        inner = [self.dims[i + 1] for i in range(0, self.layers - 1, 2)]
-        bad = [width for width in inner if width % tp]
+    def check_tp(self, tp: int, sequence_parallel: bool, stages: int = 1) -> None:
+        """Refuse, before anything runs, a split that does not divide the widths it shards.
+
+        Each pipeline stage pairs the layers it holds (``MLP.tp_plan``), so under pp the
+        pairs start again at every stage's first layer: each stage's pairs are checked."""
+        indices = [str(index) for index in range(self.layers)]
+        inner = []
+        for stage in range(stages):
+            owned = [int(name) for name in stage_slice(indices, stage, stages)]
+            # Layer i (column-wise) and i+1 (row-wise) both split width dims[i+1].
+            inner += [self.dims[owned[k] + 1] for k in range(0, len(owned) - 1, 2)]
+        bad = sorted({width for width in inner if width % tp})
         if bad:
             raise ValueError(f"tp={tp} must divide the widths it splits; {bad} do not (MLP dims {self.dims})")
         if sequence_parallel:
@@ -99,7 +106,7 @@ class GPTConfig(_Layered):
         per_token = 6 * weights + 12 * self.layers * self.dim * self.seq
         return per_token * self.seq
 
-    def check_tp(self, tp: int, sequence_parallel: bool) -> None:
+    def check_tp(self, tp: int, sequence_parallel: bool, stages: int = 1) -> None:
         """Refuse, before anything runs, a split that does not divide the heads and widths it shards."""
         # Each rank owns whole heads: a split head would mix ranks inside one softmax.
         if self.heads % tp:

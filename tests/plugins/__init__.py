@@ -1,0 +1,1 @@
+"""Strategies written outside labkit, registered through the catalog by the tests."""
