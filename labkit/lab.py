@@ -37,7 +37,10 @@ class Lab:
     when GPUs are visible, one rank per GPU, else gloo). timeout: default limit
     in seconds for each piece of work (a cell, a ``run``). start_timeout: limit
     for the ranks to come up. threads_per_rank: torch threads in each rank
-    (default: cores // ranks, at least 1).
+    (default: cores // ranks, at least 1). interrupt_grace: seconds a rank gets
+    to answer an interrupt before it is replaced. oversubscribe: start more ranks
+    than the machine's free memory and cores are judged to hold (refused otherwise,
+    before anything starts, with the largest count that fits).
     """
 
     def __init__(
@@ -48,9 +51,11 @@ class Lab:
         start_timeout: float = DEFAULT_START_TIMEOUT,
         threads_per_rank: int | None = None,
         interrupt_grace: float = DEFAULT_INTERRUPT_GRACE,
+        oversubscribe: bool = False,
     ) -> None:
         # Everything is checked here, before a single process starts.
-        plan: RankPlan = plan_ranks(ranks, backend=backend, threads_per_rank=threads_per_rank)
+        plan: RankPlan = plan_ranks(ranks, backend=backend, threads_per_rank=threads_per_rank,
+                                    oversubscribe=oversubscribe)
         self.session = Session(
             plan,
             timeout=positive_seconds("timeout", timeout),
@@ -236,6 +241,26 @@ class Lab:
         run = launch_training(self.session, dict(strategy=strategy, model=model, steps=steps, **settings), mesh,
                               self.session.limit(timeout), dashboard, background, straggler_threshold, resume)
         return run if background else run.wait()
+
+    # -- checkpoints ------------------------------------------------------
+
+    def save(self, path: str, timeout: float | None = None) -> str:
+        """Save the training state the ranks hold (model, optimizer, step, data position, random
+        state) as a checkpoint directory at ``path``; atomic: a save cut short leaves the previous one."""
+        from labkit.runs.checkpoints import save
+
+        return save(self.session, path, self.session.limit(timeout))
+
+    def load(self, path: str, mesh: dict | None = None, timeout: float | None = None, **settings):
+        """Load a checkpoint (or the newest in a ``checkpoint_dir``) into the ranks, resharded to them.
+
+        ``settings`` may change how it is split (``strategy``, ``mesh``) but not the model. Then
+        ``lab.train(steps=N, resume=True)`` continues from its step. Returns the run's config."""
+        from labkit.runs.checkpoints import load
+
+        config = load(self.session, path, self.session.limit(timeout), mesh=mesh, **settings)
+        print(f"loaded step {self.session.last_training.steps_done}: {config.describe()}")
+        return config
 
     # -- mesh -------------------------------------------------------------
 

@@ -130,6 +130,8 @@ def _build_parsers():
     start.add_argument("--timeout", type=_seconds, help="default limit for each cell, seconds")
     start.add_argument("--start-timeout", type=_seconds, help="limit for the ranks to come up, seconds")
     start.add_argument("--threads", type=int, help="torch threads per rank")
+    start.add_argument("--oversubscribe", action="store_true",
+                       help="start more ranks than this machine's memory and cores are judged to hold")
     train = _train_parser()
     bench = _Parser(prog="%lab bench", add_help=False)
     bench.add_argument("operation", choices=("allreduce", "all_reduce", "allgather", "all_gather", "reduce_scatter",
@@ -207,7 +209,8 @@ class LabMagics(Magics):
 
     def start(self, words):
         options = self._start_parser.parse_args(words)
-        wanted = dict(ranks=options.ranks, backend=options.backend, threads_per_rank=options.threads)
+        wanted = dict(ranks=options.ranks, backend=options.backend, threads_per_rank=options.threads,
+                      oversubscribe=options.oversubscribe)
         settings = {
             key: value
             for key, value in (("timeout", options.timeout), ("start_timeout", options.start_timeout))

@@ -19,9 +19,11 @@ session. Nothing here imports torch: the ranks' code is reached through
 from __future__ import annotations
 
 import atexit
+import pickle
 import threading
 import time
 import weakref
+from dataclasses import dataclass
 
 from labkit.cluster.control import ControlRequests
 from labkit.cluster.placement import RankPlan
@@ -31,6 +33,7 @@ from labkit.runs.dispatch import RankWork, make_output
 from labkit.runs.sources import notebook_sources
 from labkit.spec.errors import (
     LabBusy,
+    LabConfigError,
     LabError,
     LabNotRunning,
     RankFailure,
@@ -39,7 +42,17 @@ from labkit.spec.errors import (
     format_ranks,
 )
 from labkit.spec.mesh import MeshSpec
+from labkit.spec.train_config import TrainConfig
 from labkit.units import positive_seconds
+
+
+@dataclass(frozen=True)
+class TrainingRecord:
+    """The notebook's note of the training state the ranks keep: which run, how far, on which group."""
+
+    config: TrainConfig
+    steps_done: int  # in all, over the run and its continuations
+    generation: int
 
 
 def _stop_at_exit(session_ref) -> None:
@@ -61,7 +74,7 @@ class Session:
         self.mesh_spec: MeshSpec | None = None
         self.started_seconds: float | None = None
         self.control = ControlRequests()
-        self.last_training = None  # runs.training_run.TrainingRecord of the ranks' TrainState
+        self.last_training: TrainingRecord | None = None  # what the ranks' TrainState holds
         self._holder = None  # a long run that owns the ranks (a TrainingRun)
         self._holder_lock = threading.Lock()
         self._atexit = None
@@ -78,7 +91,8 @@ class Session:
 
     def start(self) -> None:
         if self.running:
-            if all(self.cluster.is_alive(rank) for rank in range(self.world_size)):
+            if self.cluster.infrastructure_problem() is None and self.busy_with is None:
+                self.heal()  # a running lab is reused, its broken ranks replaced
                 return
             self.stop()
         began = time.monotonic()
@@ -101,6 +115,7 @@ class Session:
         if holder is not None and not holder.done:
             holder.stop()  # let a background run end at a step boundary before the ranks go
             holder.finished(10)
+        self._holder = None  # whatever held the ranks, they are gone
         cluster, self.cluster = self.cluster, None
         if cluster is not None:
             cluster.stop()
@@ -110,6 +125,10 @@ class Session:
         self.generation = 0
         self.last_training = None
         self.control = ControlRequests()
+
+    def remember_training(self, config: TrainConfig, steps_done: int) -> None:
+        """The ranks now hold a training state of ``config`` after ``steps_done`` steps."""
+        self.last_training = TrainingRecord(config, steps_done, self.generation)
 
     # -- who may use the ranks ------------------------------------------------
 
@@ -161,9 +180,18 @@ class Session:
 
     def begin(self, ranks, work_entry, args, limit: float, output, on_tick=None, on_interrupt=None) -> RankWork:
         """Start ``work_entry(*args, limit)`` on ``ranks``; the caller waits and checks ``failure``."""
-        return RankWork(self.require_running(), ranks, work_entry, (*args, limit), timeout=limit,
-                        interrupt_grace=self.interrupt_grace, output=output, on_tick=on_tick,
-                        on_interrupt=on_interrupt)
+        cluster = self.require_running()
+        try:
+            return RankWork(cluster, ranks, work_entry, (*args, limit), timeout=limit,
+                            interrupt_grace=self.interrupt_grace, output=output, on_tick=on_tick,
+                            on_interrupt=on_interrupt)
+        except (TypeError, AttributeError, pickle.PicklingError) as error:
+            # Sending pickles the function and its arguments; nothing reached a rank that could run.
+            raise LabConfigError(
+                f"the work could not be sent to the ranks: {error}. A function and its arguments travel to each "
+                "rank pickled: pass plain data (numbers, strings, lists, dicts, tensors), and make locks, open "
+                "files, sockets or clients on the ranks instead"
+            ) from None
 
     def failure(self, work: RankWork, reports: dict, limit: float) -> LabError:
         """Failed work as the exception to raise, after bringing the lab back for the next call."""
@@ -175,9 +203,39 @@ class Session:
         return kind(reports, timed_out=work.timed_out, timeout_seconds=limit, interrupted=work.interrupted,
                     replaced=tuple(work.replaced), recovery=recovery)
 
+    def ready(self) -> RankCluster:
+        """Idle ranks that can all work: a rank that died, froze or was dropped since the last
+        call is replaced first (``heal``)."""
+        cluster = self.require_idle()
+        self.heal()
+        return cluster
+
+    def heal(self) -> str | None:
+        """Replace every rank that cannot work (a frozen one is killed first), rebuild the group; say so.
+
+        The other ranks keep their namespaces. Returns the note it printed, None when all was well."""
+        cluster = self.require_running()
+        problem = cluster.infrastructure_problem()
+        if problem:
+            raise LabError(f"{problem}: the lab cannot go on; call lab.restart() (or %lab restart) for fresh ranks")
+        broken = cluster.broken_ranks()
+        if not broken:
+            return None
+        try:
+            cluster.replace(broken)
+            self.form_group()
+        except Exception as error:  # noqa: BLE001 - whatever stops the repair, the way out is a restart
+            raise LabError(f"{format_ranks(broken)} could not be replaced ({error}); "
+                           "call lab.restart() (or %lab restart)") from None
+        reasons = "; ".join(f"rank {rank} {reason}" for rank, reason in sorted(broken.items()))
+        note = (f"labkit: {reasons}. Replaced with a fresh process and rebuilt the process group (generation "
+                f"{self.generation}); the other ranks kept their variables.")
+        print(note, flush=True)
+        return note
+
     def execute(self, ranks, work_entry, args, timeout=None, live=None, show_values=False) -> dict[int, dict]:
         """User work on ``ranks`` within ``timeout``: every rank's report, or one raised failure."""
-        self.require_idle()
+        self.ready()
         limit = self.limit(timeout)
         work = self.begin(ranks, work_entry, args, limit, make_output(ranks, live=live, show_values=show_values))
         reports = work.wait()
@@ -221,7 +279,7 @@ class Session:
 
     def set_mesh(self, spec: MeshSpec) -> None:
         """Make ``spec`` the lab's mesh on every rank, or leave the lab as it was."""
-        self.require_idle()
+        self.ready()
         try:
             self.build_mesh(spec)
         except LabError:

@@ -24,6 +24,9 @@ OWNER_SCRIPT = textwrap.dedent(
     from labkit import Lab
     lab = Lab(ranks=2, backend="gloo", threads_per_rank=1).start()
     print(json.dumps(lab.cluster.process_ids()), flush=True)
+    print(lab.cluster.workdir, flush=True)
+    lab.run_cell("import subprocess; child = subprocess.Popen(['sleep', '600'])")
+    print(json.dumps(lab.cluster.process_ids()), flush=True)
     if sys.argv[1] == "hang":
         time.sleep(600)
     """
@@ -78,11 +81,21 @@ def test_owner_exit_or_death_takes_the_lab_with_it(ending):
         [sys.executable, "-c", OWNER_SCRIPT, ending], stdout=subprocess.PIPE, text=True, cwd=os.getcwd()
     )
     pids = set(json.loads(owner.stdout.readline()))
-    assert len(pids) >= 4
+    workdir = owner.stdout.readline().strip()
+    pids |= set(json.loads(owner.stdout.readline()))  # with the ranks' own subprocesses
+    assert len(pids) >= 6
+    assert {oct(os.stat(os.path.join(folder, name)).st_mode & 0o777) for folder, _, names in os.walk(workdir)
+            for name in names} == {"0o600"}  # every file of the lab is its owner's only
     if ending == "hang":
         owner.send_signal(signal.SIGKILL)  # no atexit: the host notices its owner is gone
     owner.wait(60)
     assert wait_gone(pids, 15) == set()
+    if ending == "hang":  # nobody removed its directory; the next lab that starts does
+        assert os.path.exists(workdir)
+        with Lab(ranks=1, backend="gloo", threads_per_rank=1):
+            assert not os.path.exists(workdir)
+    else:
+        assert not os.path.exists(workdir)
 
 
 def test_kernel_shutdown_stops_the_lab():

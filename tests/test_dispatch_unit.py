@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from labkit.spec.errors import describe_exit
 from labkit.runs import dispatch
 from labkit.runs.dispatch import RankWork, make_output
 
@@ -102,10 +103,14 @@ class FakeCluster:
     def engine(self, rank):
         return FakeEngine(self, rank)
 
-    def is_alive(self, rank):
+    def condition(self, rank):
+        """As ``RankCluster.condition``: None while alive, else why not."""
         self.alive_checks.append(rank)
         after = self.die_after.get(rank)
-        return after is None or time.monotonic() - self.started < after
+        if after is None or time.monotonic() - self.started < after:
+            return None
+        code = self.host.exit_codes.get(self.pid_of.get(rank)) if self.host else None
+        return f"exited ({describe_exit(code)})"
 
     def signal(self, ranks, sig):
         self.signals.append((time.monotonic() - self.started, sorted(ranks), sig))
@@ -222,7 +227,7 @@ def test_a_rank_whose_process_dies_is_reported_died(monkeypatch):
     assert reports[0] == ok(0)
     assert reports[1]["ok"] is False and reports[1]["rank"] == 1
     assert (reports[1]["error"]["kind"], reports[1]["error"]["type"]) == ("died", "ProcessDied")
-    assert "exit code -9" in reports[1]["error"]["message"]
+    assert "SIGKILL (exit code -9)" in reports[1]["error"]["message"]
     assert 0 not in cluster.alive_checks  # only ranks still pending are checked
     assert cluster.signals == [] and cluster.replaced == []
     assert work.failed and not work.timed_out
@@ -231,7 +236,7 @@ def test_a_rank_whose_process_dies_is_reported_died(monkeypatch):
 def test_a_dead_rank_without_a_host_has_no_exit_code(monkeypatch):
     monkeypatch.setattr(dispatch, "LIVENESS_CHECK_SECONDS", 0.05)
     cluster, work, _ = start([FakeResult(0, ok(0))], timeout=5.0, die_after={0: 0.0})
-    assert "exit code None" in work.wait()[0]["error"]["message"]
+    assert "exit code unknown" in work.wait()[0]["error"]["message"]
 
 
 def test_on_tick_sees_the_work_while_it_waits():

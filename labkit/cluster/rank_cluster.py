@@ -22,9 +22,10 @@ from IPython.core.profiledir import ProfileDir
 
 from labkit.rank import entry as rank_entry
 from labkit.cluster.placement import RankPlan
-from labkit.spec.errors import LabError, StartupError, format_ranks
+from labkit.cluster.workdir import WORKDIR_PREFIX, owner_only, remove_stale_workdirs, write_owner
+from labkit.spec.errors import LabError, StartupError, describe_exit, format_ranks
 from labkit.cluster.hosted.launchers import HostedControllerLauncher, HostedEngineLauncher
-from labkit.cluster.hosted.process_host import HostError, ProcessHost
+from labkit.cluster.hosted.host_client import HostError, ProcessHost
 
 LOOPBACK = "127.0.0.1"
 _ENGINE_STARTUP = "__import__('labkit.rank.entry').rank.entry.install()"
@@ -39,6 +40,14 @@ def _log_tail(path: str) -> str:
     except OSError:
         return ""
     return "\n".join(lines[-_LOG_TAIL_LINES:])
+
+
+def _gone(pid: int) -> bool:
+    """Exited, even if its parent has not collected it yet (a zombie)."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
 
 
 class RankCluster:
@@ -93,8 +102,11 @@ class RankCluster:
             raise
 
     def _start(self, deadline: float) -> None:
-        self.workdir = tempfile.mkdtemp(prefix="labkit-")  # mode 0700
+        remove_stale_workdirs()
+        self.workdir = tempfile.mkdtemp(prefix=WORKDIR_PREFIX)  # mode 0700
+        write_owner(self.workdir)
         ProfileDir.create_profile_dir(self.profile_dir)
+        owner_only(self.workdir)
         self.host = ProcessHost(self.log_path()).start()
         self.cluster = ipyparallel.Cluster(
             profile_dir=self.profile_dir,
@@ -249,14 +261,47 @@ class RankCluster:
             raise LabError(f"{format_ranks(stuck)} did not finish {function.__name__} within {timeout:g} s")
         return results
 
-    def is_alive(self, rank: int) -> bool:
+    def condition(self, rank: int) -> str | None:
+        """None while the rank can work; else why it cannot, in words (exited, frozen, lost)."""
         pid = self.pid_of.get(rank)
-        if pid is None or (self.host and pid in self.host.exit_codes):
-            return False
+        if pid is None:
+            return "has no process"
+        if self.host and pid in self.host.exit_codes:
+            return f"exited ({describe_exit(self.host.exit_codes[pid])})"
         try:
-            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+            status = psutil.Process(pid).status()
         except psutil.NoSuchProcess:
-            return False
+            return "exited"
+        if status == psutil.STATUS_ZOMBIE:
+            return "exited"
+        if status in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP):
+            return "was frozen (stopped by a signal such as SIGSTOP)"
+        if self.client is not None and self.engine_of.get(rank) not in self.client.ids:
+            return "was dropped by the controller (it missed its heartbeats)"
+        return None
+
+    def is_alive(self, rank: int) -> bool:
+        return self.condition(rank) is None
+
+    def infrastructure_problem(self) -> str | None:
+        """None while the process host and the controller run; else which one went, in words."""
+        if self.host is None or self.host.process is None or self.host.process.poll() is not None:
+            code = self.host.process.returncode if self.host and self.host.process else None
+            return f"the lab's process host exited ({describe_exit(code)}), and every rank with it"
+        controller = self.cluster.controller if self.cluster else None
+        if controller is None or controller.pid is None:
+            return "the lab's controller is not running"
+        pid = controller.pid
+        if pid in self.host.exit_codes or _gone(pid):
+            deadline = time.monotonic() + 1.0  # the host reports the exit code once it has collected it
+            while pid not in self.host.exit_codes and time.monotonic() < deadline:
+                time.sleep(0.02)
+            return f"the lab's controller exited ({describe_exit(self.host.exit_codes.get(pid))})"
+        return None
+
+    def broken_ranks(self) -> dict[int, str]:
+        """Every rank that cannot work, with the reason."""
+        return {rank: reason for rank in range(self.plan.ranks) if (reason := self.condition(rank)) is not None}
 
     def signal(self, ranks, signum: int = signal.SIGINT) -> None:
         for rank in ranks:

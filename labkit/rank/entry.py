@@ -94,6 +94,39 @@ def train(config, timeout_seconds: float) -> dict:
     return this_rank().call(train_loop, (config,), {}, None, timeout_seconds)
 
 
+def save_checkpoint(target: str, partial: str, meta: dict, timeout_seconds: float) -> dict:
+    """Save this rank's training state into the checkpoint ``target`` (every rank at once)."""
+    runtime = this_rank()
+
+    def save():
+        from labkit.rank.checkpoint import save as save_state
+
+        if runtime.train_state is None:
+            raise RuntimeError("this rank has no training state to save (it was restarted since the run): "
+                               "train again, or load a checkpoint")
+        return save_state(runtime.train_state, target, partial, meta)
+
+    return runtime.call(save, (), {}, None, timeout_seconds)
+
+
+def load_checkpoint(config, directory: str, step: int, same_world: bool, timeout_seconds: float) -> dict:
+    """Build the training state for ``config`` and fill it from the checkpoint in ``directory``."""
+    runtime = this_rank()
+
+    def load():
+        from labkit.rank.checkpoint import load as load_state
+        from labkit.rank.loop import make_optimizer
+        from labkit.rank.state import build_state
+
+        runtime.train_state = None  # the old model's memory goes before the new one is built
+        state = build_state(config, runtime, make_optimizer)
+        load_state(state, directory, step, same_world)
+        runtime.train_state = state
+        return state.step
+
+    return runtime.call(load, (), {}, None, timeout_seconds)
+
+
 def estimate_memory(config) -> dict:
     """This rank's parameter, gradient and optimizer bytes under ``config`` (a meta-device model)."""
     from labkit.rank.loop import estimate_memory as estimate

@@ -193,6 +193,7 @@ def _train(config: TrainConfig, runtime) -> dict:
     losses = LossLog(config, mesh, parallel, recorder, reporter, timer)
     samples = config.global_batch // config.axis("dp")
     tokens = samples * config.model_config.seq if config.model == "gpt" else None
+    saved: list[str] = []  # checkpoints this run wrote
     for step in range(config.steps):  # this run's steps; the data position is the state's
         control.poll()
         if step and step % STOP_CHECK_EVERY == 0 and config.instruments and _agree_to_stop(control.stop_requested):
@@ -213,6 +214,10 @@ def _train(config: TrainConfig, runtime) -> dict:
         losses.add(step, loss)
         if config.instruments:
             publisher.maybe_publish()
+        if config.checkpoint_every and state.step % config.checkpoint_every == 0:
+            from labkit.rank.checkpoint import save_during_run
+
+            saved.append(save_during_run(state, config))
     losses.print_due()
     recorder.finish()
     if publisher is not None:
@@ -232,6 +237,7 @@ def _train(config: TrainConfig, runtime) -> dict:
         "rows": list(recorder.rows) if config.instruments else [],
         "timeline": list(recorder.timeline) if config.instruments else [],
         "device_name": device_name(device),
+        "checkpoints": saved,
     }
     if config.verify:
         from labkit.rank.verify import compare_with_reference

@@ -43,6 +43,12 @@ def _report_from_remote_error(rank: int, error: BaseException) -> dict:
     if isinstance(traceback, (list, tuple)):
         traceback = "\n".join(traceback)
     kind = FailureKind.INTERRUPTED if error_type == "KeyboardInterrupt" else FailureKind.RAISED
+    if "serialize_object" in str(traceback):
+        # The work ran; its result could not be pickled back. ipyparallel's frames say nothing more.
+        return _report(rank, kind, error_type,
+                       f"the work ran, but its result could not be sent back: {message}. Results travel pickled: "
+                       "return plain data (numbers, strings, lists, dicts, tensors), and keep locks, open files, "
+                       "sockets or modules in the rank's namespace instead")
     return _report(rank, kind, error_type, message, str(traceback))
 
 
@@ -105,12 +111,15 @@ class RankWork:
 
     def _check_alive(self) -> None:
         for rank in list(self.pending):
-            if not self.cluster.is_alive(rank):
+            reason = self.cluster.condition(rank)
+            if reason is not None:
+                if not reason.startswith("exited"):
+                    # Frozen or cut off, its sockets stay open and its peers would wait in a
+                    # collective until the limit: ended now, it releases them at once.
+                    self.cluster.signal([rank], signal.SIGKILL)
                 del self.pending[rank]
-                code = self.cluster.host.exit_codes.get(self.cluster.pid_of.get(rank)) if self.cluster.host else None
-                self.reports[rank] = _report(
-                    rank, FailureKind.DIED, "ProcessDied", f"the rank's process exited (exit code {code})"
-                )
+                error_type = "ProcessDied" if reason.startswith("exited") else "ProcessLost"
+                self.reports[rank] = _report(rank, FailureKind.DIED, error_type, f"the rank's process {reason}")
 
     def _wait_until(self, deadline: float) -> None:
         next_liveness = time.monotonic() + LIVENESS_CHECK_SECONDS

@@ -14,7 +14,7 @@ class RankStatus:
     rank: int
     engine: int | None
     pid: int | None
-    state: str  # ready | busy | dead | no group | training
+    state: str  # ready | busy | dead | frozen | lost | no group | training
     device: str
     threads: int | None
     generation: int | None
@@ -57,8 +57,11 @@ class LabStatus:
         if self.training:
             return f"lab running: {self.plan}; training in the background ({self.training}); {mesh}"
         ready = sum(row.state == "ready" for row in self.ranks)
+        broken = [row.rank for row in self.ranks if row.state in ("dead", "frozen", "lost")]
+        repair = f"; the next call replaces rank{'s' if len(broken) > 1 else ''} {', '.join(map(str, broken))}" \
+            if broken else ""
         return (
-            f"lab running: {self.plan}; {ready}/{len(self.ranks)} ranks ready; "
+            f"lab running: {self.plan}; {ready}/{len(self.ranks)} ranks ready{repair}; "
             f"process group generation {self.generation}; {mesh}; cell timeout {self.timeout:g} s"
         )
 
@@ -80,7 +83,8 @@ class LabStatus:
         printer.text(str(self))
 
     def _repr_html_(self) -> str:
-        colour = {"ready": "#d9ead3", "busy": "#fff2cc", "dead": "#f4cccc", "no group": "#fce5cd", "training": "#cfe2f3"}
+        colour = {"ready": "#d9ead3", "busy": "#fff2cc", "dead": "#f4cccc", "frozen": "#f4cccc", "lost": "#f4cccc",
+                  "no group": "#fce5cd", "training": "#cfe2f3"}
         head = "".join(f"<th>{column}</th>" for column in self._COLUMNS)
         body = "".join(
             "<tr>"
@@ -102,21 +106,24 @@ def collect_status(session, timeout: float) -> LabStatus:
         return LabStatus(session.plan.describe(), running=False)
     cluster = session.cluster
     training = session.busy_with
+    # Only ranks that can answer are asked (a dropped engine cannot even be addressed).
+    conditions = {rank: cluster.condition(rank) for rank in range(session.world_size)}
     pending = {} if training else {
-        rank: cluster.engine(rank).apply_async(entry.identity) for rank in range(session.world_size)
+        rank: cluster.engine(rank).apply_async(entry.identity)
+        for rank in range(session.world_size) if conditions[rank] is None
     }
     deadline = time.monotonic() + timeout
     rows = []
     for rank in range(session.world_size):
-        alive = cluster.is_alive(rank)
+        condition = conditions[rank]
         info = None
-        if alive and rank in pending:
+        if rank in pending:
             try:
                 info = pending[rank].get(max(0.0, deadline - time.monotonic()))
             except Exception:
                 info = None
-        if not alive:
-            state = "dead"
+        if condition is not None:
+            state = "frozen" if "frozen" in condition else "lost" if "dropped" in condition else "dead"
         elif training:
             state = "training"
         elif info is None:

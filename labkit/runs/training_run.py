@@ -14,7 +14,7 @@ a run blocks does the same first, and only then interrupts.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from labkit.rank import entry
 from labkit.runs.dispatch import RankWork, make_output
@@ -97,8 +97,7 @@ class TrainingRun:
                 for result in results:
                     self.table.merge_rows(result["rows"])
                 self.report = TrainReport(self.config, results)
-                total = self.config.first_step + self.report.steps_done
-                self.session.last_training = TrainingRecord(self.config, total, self.session.generation)
+                self.session.remember_training(self.config, self.config.first_step + self.report.steps_done)
         except BaseException as error:  # kept for wait(); a background thread has nobody else to tell
             self.error = error
         finally:
@@ -145,15 +144,6 @@ class TrainingRun:
 
     def __repr__(self) -> str:
         return f"<TrainingRun {self.config.describe()}: {self.status()}>"
-
-
-@dataclass(frozen=True)
-class TrainingRecord:
-    """The notebook's note of the training state the ranks keep: which run, how far, on which group."""
-
-    config: TrainConfig
-    steps_done: int  # in all, over the run and its continuations
-    generation: int
 
 
 def _continuation(session, settings: dict, mesh) -> tuple[dict, dict | None, int]:
@@ -203,7 +193,7 @@ def launch_training(session, settings: dict, mesh, timeout: float, dashboard: bo
     if config.tf32 and session.plan.device_type != "cuda":
         raise LabConfigError("tf32 switches NVIDIA GPUs' matrix units to TensorFloat-32; this lab's ranks run on CPU "
                              "(gloo), where it would change nothing: drop tf32, or start the lab with backend='nccl'")
-    session.require_idle()
+    session.ready()
     if config.mesh_reason != "given":
         print(f"{config.strategy} without a mesh: using {config.mesh.describe()}, {config.mesh_reason}")
     if config.max_memory is not None and not resume:

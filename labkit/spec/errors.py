@@ -54,6 +54,34 @@ def format_ranks(ranks) -> str:
     return f"{word} {', '.join(str(rank) for rank in ranks)}"
 
 
+# What commonly stops a rank with a signal, for people reading a failure.
+_SIGNAL_CAUSES = {
+    "SIGKILL": "killed: by someone (kill -9, %lab kill) or by the kernel's out-of-memory killer",
+    "SIGABRT": "aborted by torch's C++ code: commonly a collective whose tensor sizes, dtypes or order "
+               "differ between ranks, or a failed internal check; the rank's log has the reason",
+    "SIGSEGV": "crashed (segmentation fault) in native code",
+    "SIGBUS": "crashed (bus error): often shared memory (/dev/shm) running out",
+    "SIGTERM": "terminated by a signal asking it to end",
+    "SIGINT": "interrupted",
+}
+
+
+def describe_exit(code: int | None) -> str:
+    """A process's exit code in words: 'exit code 3', or the signal that ended it and its usual cause."""
+    if code is None:
+        return "exit code unknown"
+    if code >= 0:
+        return f"exit code {code}"
+    import signal
+
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        return f"killed by signal {-code}"
+    cause = _SIGNAL_CAUSES.get(name)
+    return f"{name} (exit code {code}){': ' + cause if cause else ''}"
+
+
 def _last_line(text: str) -> str:
     lines = [line for line in text.strip().splitlines() if line.strip()]
     return lines[-1] if lines else ""
@@ -163,7 +191,15 @@ class RankFailure(LabError):
     def summary(self) -> str:
         parts = _raised_parts(self.raised)
         if self.died:
-            parts.append(f"{format_ranks(self.died)} died (process exited)")
+            frozen = [rank for rank, error in self.died.items() if "frozen" in error["message"]]
+            lost = [rank for rank, error in self.died.items() if "dropped" in error["message"]]
+            exited = [rank for rank in self.died if rank not in frozen and rank not in lost]
+            if exited:
+                parts.append(f"{format_ranks(exited)} died (process exited)")
+            if frozen:
+                parts.append(f"{format_ranks(frozen)} froze (stopped by a signal) and {_were(frozen)} ended")
+            if lost:
+                parts.append(f"{format_ranks(lost)} stopped answering the controller and {_were(lost)} ended")
         if self.hung:
             if self.interrupted:
                 parts.append(f"{format_ranks(self.hung)} interrupted")

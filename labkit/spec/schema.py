@@ -102,6 +102,7 @@ class RankResult(TypedDict, total=False):
     rows: list  # StepRow
     timeline: list  # TimelineStep
     device_name: str
+    checkpoints: list  # the checkpoint directories this run saved (checkpoint_every)
     verify: Verdict
 
 

@@ -45,6 +45,8 @@ class TrainConfig:
     precision: str = "fp32"
     tf32: bool = False
     peak_tflops: float | None = None
+    checkpoint_every: int | None = None  # steps between checkpoints (with checkpoint_dir)
+    checkpoint_dir: str | None = None
     model_settings: dict = field(default_factory=dict)
     options: dict = field(default_factory=dict)  # the strategies' own settings, defaults filled in
     first_step: int = 0  # steps the rank's training state has taken when this run continues it
@@ -92,7 +94,32 @@ def user_settings() -> set[str]:
 
 
 # What a continuation (``resume=True``) may change: how long it runs and how it reports.
-RESUME_MAY_CHANGE = ("steps", "log_every", "verify", "max_memory", "peak_tflops", "first_step", "mesh_reason")
+RESUME_MAY_CHANGE = ("steps", "log_every", "verify", "max_memory", "peak_tflops", "first_step", "mesh_reason",
+                     "checkpoint_every", "checkpoint_dir")
+# What makes a checkpoint another model: loading it under other values is refused.
+MODEL_IDENTITY = ("model", "model_settings")
+
+
+def checkpoint_settings(config: TrainConfig) -> dict:
+    """What a checkpoint records of its run: every setting a user gives, the strategies' own included."""
+    settings = {name: value for name, value in config.as_dict().items() if name in user_settings()}
+    settings.update(config.options)
+    for name in ("checkpoint_every", "checkpoint_dir", "verify", "max_memory"):
+        settings.pop(name, None)  # how that run was watched and kept, not what it trained
+    return {"settings": settings, "mesh": dict(zip(config.mesh_names, config.mesh_shape))}
+
+
+def identity_differences(saved: dict, settings: dict) -> list[str]:
+    """How ``settings`` would train another model than the checkpoint's ``saved`` settings, in words."""
+    differences = []
+    for name in MODEL_IDENTITY:
+        then, now = saved.get(name), settings.get(name, saved.get(name))
+        if name == "model_settings":  # JSON keeps tuples as lists
+            then = {key: tuple(value) if isinstance(value, list) else value for key, value in (then or {}).items()}
+            now = {key: tuple(value) if isinstance(value, list) else value for key, value in (now or {}).items()}
+        if then != now:
+            differences.append(f"{name} is {then!r} in the checkpoint, {now!r} here")
+    return differences
 
 
 def resume_differences(before: TrainConfig, after: TrainConfig) -> list[str]:
@@ -213,6 +240,12 @@ def _check(config: TrainConfig) -> None:
             "the equivalence proof (verify=True) compares in strict float32: train with precision='fp32' and "
             "tf32=False to verify, or drop verify to train in bf16 or TF32"
         )
+    if config.checkpoint_every is not None:
+        _positive_int("checkpoint_every", config.checkpoint_every)
+        if not isinstance(config.checkpoint_dir, str) or not config.checkpoint_dir:
+            raise ValueError("checkpoint_every needs checkpoint_dir, the directory the checkpoints go in")
+    elif config.checkpoint_dir is not None and not isinstance(config.checkpoint_dir, str):
+        raise ValueError(f"checkpoint_dir is a directory's path, got {config.checkpoint_dir!r}")
     if config.peak_tflops is not None:
         _positive_number("peak_tflops", config.peak_tflops, "the device's peak in TFLOP/s")
     if config.optimizer not in OPTIMIZERS:

@@ -14,11 +14,15 @@ Run as ``python -m labkit.cluster.hosted.process_host``; it speaks JSON lines on
     <- {"event": "ready", ...}          once, after the heavy imports
     <- {"event": "exit", "pid": 4242, "code": 0}   whenever a child ends
 
-Nothing is left behind: when the host's stdin closes (its owner stopped it, or
-died), it terminates every child it forked and exits; every child also holds the
-read end of a "life pipe" and terminates itself when the host is gone.
+Nothing is left behind, including what the ranks start themselves (a cell's
+``subprocess.Popen``): every child leads its own process group, which its
+subprocesses join; when a child ends, the host ends the rest of its group; the
+host adopts every orphan below it (a Linux child subreaper), and when its stdin
+closes (its owner stopped it, or died) it terminates every process below it and
+exits. Every child also holds the read end of a "life pipe" and, when the host
+is gone, terminates its own process group.
 
-``ProcessHost`` below is the owner's side of that conversation.
+``labkit.cluster.hosted.host_client.ProcessHost`` is the owner's side of that conversation.
 """
 
 from __future__ import annotations
@@ -28,11 +32,9 @@ import json
 import os
 import select
 import signal
-import subprocess
 import sys
 import threading
 import time
-from concurrent.futures import Future
 
 # Modules every rank needs; imported once in the host so forked engines share them.
 RANK_MODULES = (
@@ -92,9 +94,10 @@ def _watch_host_life(life_read_fd: int) -> None:
                 pass
         except OSError:
             pass
-        os.kill(os.getpid(), signal.SIGTERM)
+        group = os.getpgrp()  # this child's own group: it and what it started
+        os.killpg(group, signal.SIGTERM)
         time.sleep(TERMINATE_GRACE_SECONDS)
-        os._exit(1)
+        os.killpg(group, signal.SIGKILL)
 
     threading.Thread(target=wait_for_host_exit, name="labkit-host-watch", daemon=True).start()
 
@@ -178,6 +181,8 @@ class _Host:
             if pid == 0:
                 return True
             if self.children.pop(pid, None) is not None:
+                # What the child started dies with it (now, before its pid can be reused).
+                _signal_group(pid, signal.SIGKILL, leader=False)
                 self.reply({"event": "exit", "pid": pid, "code": os.waitstatus_to_exitcode(status)})
 
     def handle(self, line: str) -> None:
@@ -223,24 +228,25 @@ class _Host:
             self.handle(line)
 
     def terminate_children(self) -> None:
-        """SIGTERM every child (and what it started), then SIGKILL what is left; reap them all."""
+        """SIGTERM every process below the host, then SIGKILL what is left; reap them all."""
         os.close(self.life_write_fd)
         for sig in (signal.SIGTERM, signal.SIGKILL):
             for pid in list(self.children):
                 _signal_group(pid, sig)
+            _signal_descendants(sig)  # adopted orphans, and anything that left its group
             deadline = time.monotonic() + TERMINATE_GRACE_SECONDS
             while self.reap() and time.monotonic() < deadline:
                 if not self.children:
                     # Direct children are gone; give their orphans (adopted by us) a moment.
                     deadline = min(deadline, time.monotonic() + 0.5)
                 time.sleep(0.02)
-            if not self.children:
+            if not self.children and not _descendants():
                 break
 
 
-def _signal_group(pid: int, sig: int) -> None:
+def _signal_group(pid: int, sig: int, leader: bool = True) -> None:
     """Signal a child and everything it started (each child leads its own group)."""
-    for send in (os.killpg, os.kill):
+    for send in (os.killpg, os.kill) if leader else (os.killpg,):
         try:
             send(pid, sig)
             return
@@ -248,6 +254,25 @@ def _signal_group(pid: int, sig: int) -> None:
             continue
         except PermissionError:
             return
+
+
+def _descendants() -> list:
+    import psutil
+
+    try:
+        return psutil.Process().children(recursive=True)
+    except psutil.Error:
+        return []
+
+
+def _signal_descendants(sig: int) -> None:
+    import psutil
+
+    for process in _descendants():
+        try:
+            process.send_signal(sig)
+        except psutil.Error:
+            pass
 
 
 def _become_subreaper() -> None:
@@ -265,6 +290,7 @@ def _become_subreaper() -> None:
 
 def main() -> None:
     _become_subreaper()
+    os.umask(0o077)  # logs, connection files and sockets of the lab: its owner's only
     host = _Host()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -274,117 +300,6 @@ def main() -> None:
         pass
     finally:
         host.terminate_children()
-
-
-# ---------------------------------------------------------------------------
-# The owner's side
-# ---------------------------------------------------------------------------
-
-
-class HostError(RuntimeError):
-    """The process host could not start or could not fork a child."""
-
-
-class ProcessHost:
-    """Starts the host process and asks it for children; ``stop()`` ends them all."""
-
-    def __init__(self, log_path: str, env: dict[str, str] | None = None) -> None:
-        self.log_path = log_path
-        self.env = env
-        self.process: subprocess.Popen | None = None
-        self.exit_codes: dict[int, int] = {}
-        self.capabilities: Future = Future()
-        self._replies: dict[int, Future] = {}
-        self._next_id = 0
-        self._lock = threading.Lock()
-
-    def start(self) -> "ProcessHost":
-        env = dict(os.environ if self.env is None else self.env)
-        with open(self.log_path, "ab") as log:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "labkit.cluster.hosted.process_host"],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=log,
-                env=env,
-                start_new_session=True,
-                text=True,
-                bufsize=1,
-            )
-        threading.Thread(target=self._read_replies, name="labkit-host-replies", daemon=True).start()
-        return self
-
-    @property
-    def pid(self) -> int | None:
-        return self.process.pid if self.process else None
-
-    def _read_replies(self) -> None:
-        assert self.process is not None and self.process.stdout is not None
-        for line in self.process.stdout:
-            try:
-                message = json.loads(line)
-            except ValueError:
-                continue
-            event = message.get("event")
-            if event == "exit":
-                self.exit_codes[message["pid"]] = message["code"]
-            elif event == "ready":
-                self.capabilities.set_result(message)
-            else:
-                with self._lock:
-                    future = self._replies.pop(message.get("id"), None)
-                if future is not None:
-                    future.set_result(message)
-        # The host is gone: nobody will answer what is still pending.
-        failure = HostError(f"the process host exited (log: {self.log_path})")
-        with self._lock:
-            pending, self._replies = list(self._replies.values()), {}
-        if not self.capabilities.done():
-            self.capabilities.set_exception(failure)
-        for future in pending:
-            future.set_exception(failure)
-
-    def request_spawn(
-        self, entry: str, argv: list[str], env: dict[str, str], log: str, cwd: str | None = None
-    ) -> Future:
-        """Ask for a child; the future resolves to its pid."""
-        if self.process is None or self.process.poll() is not None:
-            raise HostError(f"the process host is not running (log: {self.log_path})")
-        future: Future = Future()
-        with self._lock:
-            self._next_id += 1
-            request_id = self._next_id
-            self._replies[request_id] = future
-        request = {"id": request_id, "entry": entry, "argv": argv, "env": env, "log": log, "cwd": cwd}
-        assert self.process.stdin is not None
-        self.process.stdin.write(json.dumps(request) + "\n")
-        self.process.stdin.flush()
-        return future
-
-    def spawn(self, entry: str, argv: list[str], env: dict[str, str], log: str, timeout: float) -> int:
-        try:
-            reply = self.request_spawn(entry, argv, env, log, cwd=os.getcwd()).result(timeout)
-        except TimeoutError:
-            raise HostError(f"the process host did not start the {entry} within {timeout:.1f} s") from None
-        if "error" in reply:
-            raise HostError(f"could not start the {entry}: {reply['error']}")
-        return reply["pid"]
-
-    def stop(self, timeout: float = 10.0) -> None:
-        """Close the host's input: it terminates its children and exits."""
-        process, self.process = self.process, None
-        if process is None:
-            return
-        try:
-            if process.stdin:
-                process.stdin.close()
-        except OSError:
-            pass
-        try:
-            process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(5)
 
 
 if __name__ == "__main__":

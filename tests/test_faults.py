@@ -1,0 +1,158 @@
+"""Faults while the lab is idle and while it works: dead, frozen and dropped ranks healed alone,
+what ranks started swept away, bad input refused with what to do (real ranks, 2 each).
+
+Every test bounds its waits and checks that no process it caused is left.
+"""
+
+import os
+import signal
+import threading
+import time
+
+import psutil
+import pytest
+
+from labkit import Lab, LabConfigError, LabError, RankFailure
+from labkit.rank.entry import this_rank
+
+from .conftest import wait_gone
+
+pytestmark = pytest.mark.lab
+
+
+@pytest.fixture
+def pair():
+    with Lab(ranks=2, backend="gloo", threads_per_rank=1, timeout=30, interrupt_grace=2) as lab:
+        yield lab
+
+
+def _sleepers(lab) -> list[int]:
+    return [p.pid for p in psutil.Process(lab.cluster.host.pid).children(recursive=True) if p.name() == "sleep"]
+
+
+@pytest.mark.parametrize("fault", ["SIGKILL", "SIGSTOP"])
+def test_a_rank_that_dies_or_freezes_while_idle_is_replaced_alone_at_the_next_call(pair, fault, capsys):
+    pair.run_cell("kept = 40 + rank")
+    victim = pair.status().ranks[1].pid
+    generation = pair.generation
+    os.kill(victim, getattr(signal, fault))
+    time.sleep(3)  # long enough for the hub to drop a silent engine (heartbeats every 200 ms)
+    status = pair.status()  # looking does not break, and does not repair
+    assert [row.state for row in status.ranks][0] == "ready"
+    assert status.ranks[1].state in ({"dead", "lost"} if fault == "SIGKILL" else {"frozen", "lost"})
+    assert "the next call replaces rank 1" in status.headline()
+    values = pair.run(lambda: this_rank().namespace.get("kept"))
+    assert values == [40, None]  # rank 0 kept its variables; rank 1 is a fresh process
+    said = capsys.readouterr().out
+    assert "rank 1" in said and ("SIGKILL" in said if fault == "SIGKILL" else "frozen" in said)
+    assert pair.generation == generation + 1 and pair.status().healthy
+    assert wait_gone([victim], 5) == set()  # a frozen rank is killed, not left stopped
+
+
+def test_mesh_and_training_heal_first_too(pair):
+    os.kill(pair.status().ranks[0].pid, signal.SIGKILL)
+    time.sleep(1)
+    assert pair.mesh(dp=2).shape == (2,)
+    os.kill(pair.status().ranks[1].pid, signal.SIGKILL)
+    time.sleep(1)
+    report = pair.train("ddp", "mlp", steps=2, log_every=100)
+    assert report.steps_done == 2
+    assert pair.run(lambda: this_rank().rank) == [0, 1]  # and the lab is not left busy
+
+
+def test_a_rank_frozen_during_work_is_found_before_the_limit_and_replaced(pair):
+    victim = pair.status().ranks[1].pid
+    timer = threading.Timer(1.0, os.kill, (victim, signal.SIGSTOP))
+    timer.start()
+    began = time.monotonic()
+    with pytest.raises(RankFailure) as failure:
+        pair.run_cell("import time\nfor _ in range(400):\n    dist.all_reduce(torch.ones(1))\n    time.sleep(0.05)",
+                      timeout=60)
+    assert time.monotonic() - began < 20  # not the 60 s limit
+    assert "rank 1 froze" in str(failure.value)
+    assert wait_gone([victim], 5) == set()
+    assert pair.run(lambda: this_rank().rank) == [0, 1]
+
+
+def test_a_failed_training_start_leaves_the_lab_usable(pair, monkeypatch):
+    from labkit import session as session_module
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("the engines could not be reached")
+
+    monkeypatch.setattr(session_module, "RankWork", refuse)
+    with pytest.raises(RuntimeError, match="could not be reached"):
+        pair.train("ddp", "mlp", steps=2)
+    monkeypatch.undo()
+    assert pair.status().training is None
+    assert pair.train("ddp", "mlp", steps=1, log_every=100).steps_done == 1
+
+
+def test_stop_during_a_background_run_frees_the_lab_for_a_new_start(pair):
+    run = pair.train("ddp", "mlp", steps=100000, background=True, log_every=100000)
+    time.sleep(2)
+    pair.stop()
+    assert run.done
+    pair.start()
+    assert pair.run(lambda: this_rank().rank) == [0, 1]
+
+
+def test_what_the_ranks_start_goes_when_they_go(pair):
+    pair.run_cell("import subprocess\nchild = subprocess.Popen(['sleep', '600'])")
+    sleepers = _sleepers(pair)
+    assert len(sleepers) == 2
+    # A replaced rank takes its own subprocesses with it ...
+    os.kill(pair.status().ranks[1].pid, signal.SIGKILL)
+    time.sleep(1)
+    pair.run(lambda: this_rank().rank)
+    assert len(wait_gone(sleepers, 5)) == 1
+    # ... and stop takes everything else.
+    pair.run_cell("import subprocess\norphan = subprocess.Popen(['sleep', '600'], start_new_session=True)")
+    sleepers = _sleepers(pair)
+    pids = set(pair.cluster.process_ids())
+    pair.stop()
+    assert wait_gone(set(sleepers) | pids, 10) == set()
+
+
+def test_a_killed_controller_is_named_and_restart_leaves_nothing_behind(pair):
+    controller = psutil.Process(pair.cluster.cluster.controller.pid)
+    family = [controller.pid, *(child.pid for child in controller.children(recursive=True))]
+    os.kill(controller.pid, signal.SIGKILL)
+    psutil.wait_procs([controller], 5)  # the signal lands a moment after kill() returns
+    with pytest.raises(LabError, match="controller exited .*SIGKILL.* call lab.restart"):
+        pair.run(lambda: this_rank().rank)
+    assert wait_gone(family, 10) == set()  # its scheduler processes went with it
+    pair.restart()
+    assert pair.run(lambda: this_rank().rank) == [0, 1]
+    pids = set(pair.cluster.process_ids())
+    pair.stop()
+    assert wait_gone(pids, 10) == set()
+
+
+def test_a_killed_process_host_is_named(pair):
+    os.kill(pair.cluster.host.pid, signal.SIGKILL)
+    time.sleep(1)
+    with pytest.raises(LabError, match="process host exited .* call lab.restart"):
+        pair.run(lambda: this_rank().rank)
+    pair.restart()
+    assert pair.run(lambda: this_rank().rank) == [0, 1]
+
+
+def test_work_that_cannot_travel_is_explained(pair):
+    with pytest.raises(LabConfigError, match="could not be sent to the ranks: cannot pickle.*pass plain data"):
+        pair.run(lambda lock: 1, threading.Lock())
+
+    def a_lock():
+        import threading
+
+        return threading.Lock()
+
+    with pytest.raises(RankFailure, match="result could not be sent back.*return plain data") as failure:
+        pair.run(a_lock)
+    assert "ipyparallel" not in str(failure.value)
+    assert pair.run(lambda: this_rank().rank) == [0, 1]
+
+
+def test_a_crash_in_native_code_says_which_signal_and_why(pair):
+    with pytest.raises(RankFailure, match="SIGABRT .*collective whose tensor sizes"):
+        pair.run_cell("import os\nif rank == 1:\n    os.abort()\ndist.barrier()", timeout=20)
