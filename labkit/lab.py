@@ -242,6 +242,23 @@ class Lab:
                               self.session.limit(timeout), dashboard, background, straggler_threshold, resume)
         return run if background else run.wait()
 
+    # -- faults -----------------------------------------------------------
+
+    def kill(self, rank: int) -> str:
+        """SIGKILL one rank's process, as a failing machine would (for teaching fault tolerance).
+
+        Allowed while a run trains. The run fails at once (or heals, with ``auto_heal``);
+        an idle lab replaces the rank at its next call, or at ``lab.heal()``."""
+        return self.session.kill(rank)
+
+    def heal(self):
+        """Replace every rank that died or froze and rebuild the process group; if the last run
+        failed after saving checkpoints, go on from the newest one to the step it was to reach.
+        Returns that run (in the background, as the failed one was), its report, or None."""
+        from labkit.runs.training_run import heal_and_go_on
+
+        return heal_and_go_on(self.session)
+
     # -- checkpoints ------------------------------------------------------
 
     def save(self, path: str, timeout: float | None = None) -> str:

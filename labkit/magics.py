@@ -168,6 +168,8 @@ class LabMagics(Magics):
         %lab seed S [--same]    seed torch, numpy, random on every rank: S + rank (S everywhere with --same)
         %lab run [--ranks 0,2] [--timeout S] script.py [args ...]   a torchrun-style script as __main__
         %lab bench allreduce|all_gather|reduce_scatter|broadcast [--sizes 1KB:16MB] [--iters N]
+        %lab checkpoint save|load PATH   save or load the ranks' training state (torch.distributed.checkpoint)
+        %lab kill RANK | %lab heal      SIGKILL a rank; replace what died and go on from the last checkpoint
         %lab status | %lab timeout S | %lab restart | %lab stop
         %%lab [--ranks 0,2] [--timeout S]       run the cell on the ranks
         """
@@ -189,6 +191,9 @@ class LabMagics(Magics):
             "seed": self.seed,
             "run": self.run_script,
             "bench": self.bench,
+            "checkpoint": self.checkpoint,
+            "kill": self.kill,
+            "heal": self.heal,
         }
         if command not in handlers:
             raise UsageError(f"unknown %lab command {command!r}; use one of: {', '.join(handlers)}")
@@ -248,6 +253,28 @@ class LabMagics(Magics):
             mesh = dict(zip(spec.names, spec.shape))
         live = options.pop("dashboard", False)
         return lab.train(mesh=mesh, dashboard=live, background=live, **options)
+
+    def checkpoint(self, words):
+        lab = self._require_lab()
+        if len(words) != 2 or words[0] not in ("save", "load"):
+            raise UsageError("write %lab checkpoint save PATH or %lab checkpoint load PATH")
+        if words[0] == "save":
+            print(f"saved to {lab.save(words[1])}")
+            return None
+        lab.load(words[1])
+        return None
+
+    def kill(self, words):
+        lab = self._require_lab()
+        if len(words) != 1 or not words[0].isdigit():
+            raise UsageError("say which rank, e.g. %lab kill 1")
+        print(lab.kill(int(words[0])))
+        return None
+
+    def heal(self, words):
+        if words:
+            raise UsageError("%lab heal takes no arguments")
+        return self._require_lab().heal()
 
     def slow(self, words):
         lab = self._require_lab()

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import atexit
 import pickle
+import signal
 import threading
 import time
 import weakref
@@ -75,6 +76,7 @@ class Session:
         self.started_seconds: float | None = None
         self.control = ControlRequests()
         self.last_training: TrainingRecord | None = None  # what the ranks' TrainState holds
+        self.interrupted = None  # the last run, when it failed before its end
         self._holder = None  # a long run that owns the ranks (a TrainingRun)
         self._holder_lock = threading.Lock()
         self._atexit = None
@@ -129,6 +131,11 @@ class Session:
     def remember_training(self, config: TrainConfig, steps_done: int) -> None:
         """The ranks now hold a training state of ``config`` after ``steps_done`` steps."""
         self.last_training = TrainingRecord(config, steps_done, self.generation)
+        self.interrupted = None
+
+    def remember_interrupted(self, interrupted) -> None:
+        """A run failed before its end (``runs.healing.Interrupted``): ``lab.heal()`` may finish it."""
+        self.interrupted = interrupted
 
     # -- who may use the ranks ------------------------------------------------
 
@@ -232,6 +239,15 @@ class Session:
                 f"{self.generation}); the other ranks kept their variables.")
         print(note, flush=True)
         return note
+
+    def kill(self, rank) -> str:
+        """SIGKILL ``rank``'s process, busy or not; say which."""
+        cluster = self.require_running()
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.world_size:
+            raise LabConfigError(f"rank must be between 0 and {self.world_size - 1}, got {rank!r}")
+        pid = cluster.pid_of.get(rank)
+        cluster.signal([rank], signal.SIGKILL)
+        return f"rank {rank} (pid {pid}) killed with SIGKILL"
 
     def execute(self, ranks, work_entry, args, timeout=None, live=None, show_values=False) -> dict[int, dict]:
         """User work on ``ranks`` within ``timeout``: every rank's report, or one raised failure."""

@@ -50,6 +50,12 @@ class FakeSession:
     def release(self, run):
         self.released += 1
 
+    def remember_training(self, config, steps_done):
+        self.last_training = (config, steps_done)
+
+    def remember_interrupted(self, interrupted):
+        self.interrupted = interrupted
+
     def failure(self, work, reports, timeout):
         return RuntimeError("rank 1 raised ZeroDivisionError: division by zero")
 

@@ -202,7 +202,7 @@ def _train(config: TrainConfig, runtime) -> dict:
         inputs, targets = to_device(inputs, device), to_device(targets, device)
         timer.begin()
         if config.instruments:
-            recorder.begin_step(step)
+            recorder.begin_step(state.step)  # rows count steps from the run's start, across continuations
         delay = control.spend_delay()
         optimizer.zero_grad(set_to_none=True)
         loss = parallel.forward_backward(inputs, targets)

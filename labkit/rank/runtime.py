@@ -32,6 +32,7 @@ from labkit.rank.group_memory import forget_old_groups
 from labkit.rank.context import RankContext
 from labkit.spec.schema import FailureKind
 from labkit.rank.entry import RUNTIME_NAME
+from labkit.rank.release import release_peers
 from labkit.rank.environment import device_name, process_group_backend, seed_independently, torchrun_environment
 
 STORE_HOST_DEFAULT = "127.0.0.1"
@@ -261,6 +262,7 @@ class RankRuntime(RankContext):
             }
             # Peers blocked on us in a collective get "connection closed" now,
             # not at the timeout. The notebook rebuilds the group afterwards.
+            release_peers(self.control_path, self.backend)
             self.leave_group()
             return report
         finally:

@@ -18,6 +18,7 @@ from dataclasses import replace
 
 from labkit.rank import entry
 from labkit.runs.dispatch import RankWork, make_output
+from labkit.runs.healing import Interrupted, continuation, has_checkpoint
 from labkit.runs.budget import enforce_budget
 from labkit.spec.errors import LabConfigError, LabError
 from labkit.views.metrics import DEFAULT_THRESHOLD, MetricsTable
@@ -37,25 +38,37 @@ class TrainingRun:
         mesh = config.mesh
         stage = mesh.names.index("pp") if "pp" in mesh.names else None
         peers = {rank: (mesh.coordinate(rank)[stage] if stage is not None else 0) for rank in range(session.world_size)}
+        self.straggler_threshold = straggler_threshold
+        self.target_step = config.first_step + config.steps
         self.table = MetricsTable(session.world_size, config.global_batch, peers, threshold=straggler_threshold)
         self.dashboard = None
         if dashboard:
             from labkit.views.dashboard import Dashboard  # matplotlib and ipywidgets load with the first one
 
             self.dashboard = Dashboard(self.table, config.describe(), on_stop=self.stop if background else None,
-                                       planned_steps=config.steps)
+                                       planned_steps=self.target_step)
         self.report: TrainReport | None = None
         self.error: BaseException | None = None
         self._done = threading.Event()
         self._work: RankWork | None = None
+        self.heals: list[str] = []  # what auto_heal did, in words
+        self._healing: str | None = None
 
     # -- running ------------------------------------------------------------
 
     def start(self) -> "TrainingRun":
-        ranks = list(range(self.session.world_size))
-        self.session.control.request_stop(False)
         if self.dashboard is not None:
             self.dashboard.show()
+        self._begin()
+        if self.background:
+            threading.Thread(target=self._finish, name="labkit-training-run", daemon=True).start()
+        else:
+            self._finish()
+        return self
+
+    def _begin(self) -> None:
+        ranks = list(range(self.session.world_size))
+        self.session.control.request_stop(False)
         self._work = self.session.begin(
             ranks,
             entry.train,
@@ -67,11 +80,6 @@ class TrainingRun:
             on_tick=self._tick,
             on_interrupt=self._wind_down,
         )
-        if self.background:
-            threading.Thread(target=self._finish, name="labkit-training-run", daemon=True).start()
-        else:
-            self._finish()
-        return self
 
     def _tick(self, work: RankWork) -> None:
         for result in work.results.values():
@@ -86,17 +94,29 @@ class TrainingRun:
         return max(STOP_GRACE_SECONDS, 10 * (times[-1] if times else 0.0))
 
     def _finish(self) -> None:
-        work = self._work
         try:
-            reports = work.wait()
-            self.session.release(self)  # the ranks are free again: recovery below may use them
-            if work.failed:
-                self.error = self.session.failure(work, reports, self.timeout)
-            else:
+            while True:
+                work = self._work
+                reports = work.wait()
+                self.session.release(self)  # the ranks are free again: recovery below may use them
+                if not work.failed:
+                    break
+                error = self.session.failure(work, reports, self.timeout)
+                if not self._heal(work, error):
+                    for note in self.heals:  # what auto_heal did before it stopped, and why it stopped
+                        error.add_note(f"auto_heal: {note}")
+                    if self.heals:
+                        print(f"labkit: {self.heals[-1]}", flush=True)
+                    self.error = error
+                    self.session.remember_interrupted(Interrupted(
+                        self.config, self.target_step, self.table.latest_step, self.background,
+                        self.dashboard is not None, self.timeout, self.straggler_threshold))
+                    break
+            if self.error is None:
                 results = [reports[rank]["value"] for rank in range(self.session.world_size)]
                 for result in results:
                     self.table.merge_rows(result["rows"])
-                self.report = TrainReport(self.config, results)
+                self.report = TrainReport(self.config, results, notes=tuple(self.heals))
                 self.session.remember_training(self.config, self.config.first_step + self.report.steps_done)
         except BaseException as error:  # kept for wait(); a background thread has nobody else to tell
             self.error = error
@@ -106,6 +126,33 @@ class TrainingRun:
             if self.dashboard is not None:
                 self.dashboard.finish(self.status())
             self._done.set()
+
+    def _heal(self, work: RankWork, error) -> bool:
+        """With auto_heal: go back to the last checkpoint on the repaired ranks and go on; whether it did."""
+        config = self.config
+        if not config.auto_heal or work.interrupted or not has_checkpoint(config):
+            return False
+        latest = self.table.latest_step
+        failed_at = "?" if latest is None else latest + 1  # steps every rank had finished
+        what = str(error).splitlines()[0]
+        if len(self.heals) >= config.max_restarts:
+            self.heals.append(f"gave up after {config.max_restarts} restarts (max_restarts): {what}")
+            return False
+        try:
+            self._healing = f"healing, failed after step {failed_at}: {what}"
+            self.config = continuation(self.session, config, self.target_step, self.timeout)
+            self.session.claim(self)
+            self._begin()
+        except Exception as failure:  # noqa: BLE001 - the run ends with the original failure, said why
+            self.heals.append(f"could not heal ({failure})")
+            return False
+        finally:
+            self._healing = None
+        self.table.new_segment()
+        self.heals.append(f"{what} (after step {failed_at}); went on from the checkpoint at step "
+                          f"{self.config.first_step} (restart {len(self.heals) + 1} of {config.max_restarts})")
+        print(f"labkit: {self.heals[-1]}", flush=True)
+        return True
 
     # -- control --------------------------------------------------------------
 
@@ -133,13 +180,17 @@ class TrainingRun:
     def status(self) -> str:
         # The outcome decides, not the done flag: the dashboard's last header is drawn just before it is set.
         if self.error is not None:
-            return f"failed: {str(self.error).splitlines()[0]}"
+            step = self.table.latest_step
+            where = f" after step {step + 1}" if step is not None else ""
+            return f"failed{where}: {str(self.error).splitlines()[0]}"
+        if self._healing:
+            return self._healing
         report = self.report
         if report is None:
             step = self.table.latest_step
-            return "starting" if step is None else f"running, step {step + 1} of {self.config.steps}"
+            return "starting" if step is None else f"running, step {step + 1} of {self.target_step}"
         if report.stopped_early:
-            return f"stopped after {report.steps_done} of {self.config.steps} steps"
+            return f"stopped after step {self.config.first_step + report.steps_done} of {self.target_step}"
         return f"done: {report.steps_done} steps, loss {report.losses[-1]:.4f}"
 
     def __repr__(self) -> str:
@@ -206,3 +257,27 @@ def launch_training(session, settings: dict, mesh, timeout: float, dashboard: bo
     except BaseException:
         session.release(run)  # a run that never started must not leave the lab busy
         raise
+
+
+def heal_and_go_on(session):
+    """``lab.heal()``: replace broken ranks; if the last run failed and saved checkpoints, finish it
+    from the newest one, watched as it was. Returns the run (background), its report, or None."""
+    session.require_idle()  # a run still going heals itself (auto_heal) or fails first
+    note = session.heal()
+    interrupted = session.interrupted
+    if interrupted is None or not has_checkpoint(interrupted.config):
+        if note is None:
+            print("labkit: every rank is working, and no failed run with checkpoints is waiting to go on")
+        return None
+    config = continuation(session, interrupted.config, interrupted.target_step, interrupted.timeout)
+    print(f"labkit: going on from the checkpoint at step {config.first_step} to step {interrupted.target_step}",
+          flush=True)
+    run = TrainingRun(session, config, interrupted.timeout, dashboard=interrupted.dashboard,
+                      background=interrupted.background, straggler_threshold=interrupted.straggler_threshold)
+    session.claim(run)
+    try:
+        run.start()
+    except BaseException:
+        session.release(run)
+        raise
+    return run if interrupted.background else run.wait()

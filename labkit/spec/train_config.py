@@ -47,6 +47,8 @@ class TrainConfig:
     peak_tflops: float | None = None
     checkpoint_every: int | None = None  # steps between checkpoints (with checkpoint_dir)
     checkpoint_dir: str | None = None
+    auto_heal: bool = False  # after a failure: replace ranks, load the last checkpoint, go on
+    max_restarts: int = 3
     model_settings: dict = field(default_factory=dict)
     options: dict = field(default_factory=dict)  # the strategies' own settings, defaults filled in
     first_step: int = 0  # steps the rank's training state has taken when this run continues it
@@ -95,7 +97,7 @@ def user_settings() -> set[str]:
 
 # What a continuation (``resume=True``) may change: how long it runs and how it reports.
 RESUME_MAY_CHANGE = ("steps", "log_every", "verify", "max_memory", "peak_tflops", "first_step", "mesh_reason",
-                     "checkpoint_every", "checkpoint_dir")
+                     "checkpoint_every", "checkpoint_dir", "auto_heal", "max_restarts")
 # What makes a checkpoint another model: loading it under other values is refused.
 MODEL_IDENTITY = ("model", "model_settings")
 
@@ -104,7 +106,7 @@ def checkpoint_settings(config: TrainConfig) -> dict:
     """What a checkpoint records of its run: every setting a user gives, the strategies' own included."""
     settings = {name: value for name, value in config.as_dict().items() if name in user_settings()}
     settings.update(config.options)
-    for name in ("checkpoint_every", "checkpoint_dir", "verify", "max_memory"):
+    for name in ("checkpoint_every", "checkpoint_dir", "auto_heal", "max_restarts", "verify", "max_memory"):
         settings.pop(name, None)  # how that run was watched and kept, not what it trained
     return {"settings": settings, "mesh": dict(zip(config.mesh_names, config.mesh_shape))}
 
@@ -225,7 +227,7 @@ def _positive_number(name: str, value, meaning: str) -> None:
 def _check(config: TrainConfig) -> None:
     for name in ("steps", "global_batch", "micro_batches", "log_every"):
         _positive_int(name, getattr(config, name))
-    for name in ("verify", "instruments", "tf32"):
+    for name in ("verify", "instruments", "tf32", "auto_heal"):
         if not isinstance(getattr(config, name), bool):
             raise ValueError(f"{name} is True or False, got {getattr(config, name)!r}")
     seed = config.seed
@@ -246,6 +248,9 @@ def _check(config: TrainConfig) -> None:
             raise ValueError("checkpoint_every needs checkpoint_dir, the directory the checkpoints go in")
     elif config.checkpoint_dir is not None and not isinstance(config.checkpoint_dir, str):
         raise ValueError(f"checkpoint_dir is a directory's path, got {config.checkpoint_dir!r}")
+    _positive_int("max_restarts", config.max_restarts)
+    if config.auto_heal and config.checkpoint_every is None:
+        raise ValueError("auto_heal goes back to the last checkpoint: give checkpoint_every and checkpoint_dir too")
     if config.peak_tflops is not None:
         _positive_number("peak_tflops", config.peak_tflops, "the device's peak in TFLOP/s")
     if config.optimizer not in OPTIMIZERS:

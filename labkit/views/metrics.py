@@ -91,6 +91,11 @@ class MetricsTable:
             known[row["step"]] = row
         return new
 
+    def new_segment(self) -> None:
+        """The ranks start publishing afresh (a run went on after a failure): their sequences restart,
+        and the steps they train again replace the ones they had sent."""
+        self._sequence.clear()
+
     def merge_rows(self, rows: list[dict]) -> None:
         """Add final rows (a run's results) regardless of sequence numbers."""
         for row in rows:

@@ -23,6 +23,7 @@ from labkit.units import format_bytes
 class TrainReport:
     config: TrainConfig
     results: list[RankResult]  # one per rank, in rank order
+    notes: tuple[str, ...] = ()  # what happened on the way (failures healed)
 
     # -- derived numbers ------------------------------------------------------
 
@@ -221,6 +222,7 @@ class TrainReport:
                 f"{NOISE_FACTOR:g} x the rounding noise {noise:.1e}); "
                 f"training moved the model {self.verify['model_moved']:.1%} from its start)"
             )
+        lines.extend(f"healed: {note}" for note in self.notes)
         return lines
 
     def __str__(self) -> str:

@@ -1,0 +1,58 @@
+"""Going on after a failure: from the last checkpoint, on ranks the session has already replaced.
+
+When a training run fails (a rank killed, frozen, crashed), the session replaces
+the ranks that are gone and rebuilds the process group, which drops every rank's
+training state. What survives is on disk: the run's checkpoints
+(``checkpoint_every``/``checkpoint_dir``). ``continuation`` loads the newest one
+into the ranks and returns the run that finishes the original one: the same
+settings, from the checkpoint's step to the step the original run was to reach.
+The steps lost are those since that checkpoint, no more.
+
+``TrainingRun`` uses it by itself with ``auto_heal=True`` (at most
+``max_restarts`` times); ``lab.heal()`` uses it after a run that failed without.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from dataclasses import dataclass, replace
+
+from labkit.runs.checkpoints import find_checkpoint, is_complete, read_meta
+from labkit.spec.errors import LabConfigError
+from labkit.spec.train_config import TrainConfig
+
+
+@dataclass(frozen=True)
+class Interrupted:
+    """A run that failed before its end: what it was, and how it was being watched."""
+
+    config: TrainConfig
+    target_step: int  # the step it was to reach
+    failed_at: int | None  # the newest step every rank had finished, when known
+    background: bool
+    dashboard: bool
+    timeout: float
+    straggler_threshold: float
+
+
+def has_checkpoint(config: TrainConfig) -> bool:
+    directory = config.checkpoint_dir
+    return bool(directory) and any(is_complete(path) for path in glob.glob(os.path.join(directory, "step-*")))
+
+
+def continuation(session, config: TrainConfig, target_step: int, timeout: float) -> TrainConfig:
+    """Load the newest checkpoint of ``config``'s run into the ranks; the run from there to ``target_step``."""
+    from labkit.runs.checkpoints import load
+
+    if not has_checkpoint(config):
+        raise LabConfigError(f"the run saved no checkpoint to go back to (checkpoint_dir {config.checkpoint_dir!r}): "
+                             "train again, with checkpoint_every and checkpoint_dir to survive failures")
+    directory = find_checkpoint(config.checkpoint_dir)
+    step = read_meta(directory)["step"]
+    loaded = load(session, directory, timeout, mesh=dict(zip(config.mesh_names, config.mesh_shape)),
+                  strategy=config.strategy)
+    if target_step <= step:
+        raise LabConfigError(f"the newest checkpoint ({directory}) is already at step {step}: nothing is left to train")
+    # The original run's settings (how it is watched and kept included), from the checkpoint on.
+    return replace(config, first_step=step, steps=target_step - step, mesh_reason=loaded.mesh_reason)
