@@ -40,7 +40,10 @@ class Lab:
     (default: cores // ranks, at least 1). interrupt_grace: seconds a rank gets
     to answer an interrupt before it is replaced. oversubscribe: start more ranks
     than the machine's free memory and cores are judged to hold (refused otherwise,
-    before anything starts, with the largest count that fits).
+    before anything starts, with the largest count that fits). check_collectives:
+    every collective's kind, shapes and dtypes are compared across ranks before
+    it runs, and a mismatch is an error naming each rank's call (torch's
+    ``TORCH_DISTRIBUTED_DEBUG=DETAIL``; one extra small collective each).
     """
 
     def __init__(
@@ -52,10 +55,11 @@ class Lab:
         threads_per_rank: int | None = None,
         interrupt_grace: float = DEFAULT_INTERRUPT_GRACE,
         oversubscribe: bool = False,
+        check_collectives: bool = False,
     ) -> None:
         # Everything is checked here, before a single process starts.
         plan: RankPlan = plan_ranks(ranks, backend=backend, threads_per_rank=threads_per_rank,
-                                    oversubscribe=oversubscribe)
+                                    oversubscribe=oversubscribe, check_collectives=check_collectives)
         self.session = Session(
             plan,
             timeout=positive_seconds("timeout", timeout),

@@ -130,6 +130,8 @@ def _build_parsers():
     start.add_argument("--timeout", type=_seconds, help="default limit for each cell, seconds")
     start.add_argument("--start-timeout", type=_seconds, help="limit for the ranks to come up, seconds")
     start.add_argument("--threads", type=int, help="torch threads per rank")
+    start.add_argument("--check-collectives", action="store_true",
+                       help="compare every collective across ranks first; a mismatch names each rank's call")
     start.add_argument("--oversubscribe", action="store_true",
                        help="start more ranks than this machine's memory and cores are judged to hold")
     train = _train_parser()
@@ -215,7 +217,7 @@ class LabMagics(Magics):
     def start(self, words):
         options = self._start_parser.parse_args(words)
         wanted = dict(ranks=options.ranks, backend=options.backend, threads_per_rank=options.threads,
-                      oversubscribe=options.oversubscribe)
+                      oversubscribe=options.oversubscribe, check_collectives=options.check_collectives)
         settings = {
             key: value
             for key, value in (("timeout", options.timeout), ("start_timeout", options.start_timeout))

@@ -156,3 +156,21 @@ def test_work_that_cannot_travel_is_explained(pair):
 def test_a_crash_in_native_code_says_which_signal_and_why(pair):
     with pytest.raises(RankFailure, match="SIGABRT .*collective whose tensor sizes"):
         pair.run_cell("import os\nif rank == 1:\n    os.abort()\ndist.barrier()", timeout=20)
+
+
+def test_a_skipped_collective_is_named_within_the_limit(pair):
+    began = time.monotonic()
+    with pytest.raises(RankFailure, match=r"rank 1 finished while the others waited in a collective: it skipped"):
+        pair.run_cell("if rank == 0:\n    dist.all_reduce(torch.ones(4))", timeout=5)
+    assert time.monotonic() - began < 20
+
+
+def test_with_checked_collectives_a_mismatch_names_each_ranks_call():
+    with Lab(ranks=2, backend="gloo", threads_per_rank=1, timeout=30, check_collectives=True) as lab:
+        assert "collectives checked" in lab.plan.describe()
+        with pytest.raises(RankFailure) as failure:
+            lab.run_cell("dist.all_reduce(torch.ones(10 if rank == 0 else 20))")
+        text = "\n".join([str(failure.value), *getattr(failure.value, "__notes__", [])])
+        assert "rank 0 calls allreduce of shape [10] (float)" in text
+        assert "rank 1 calls allreduce of shape [20] (float)" in text
+        assert lab.run_cell("dist.all_reduce(torch.ones(3)); 1") == ["1", "1"]  # and it works again

@@ -61,8 +61,7 @@ def test_a_replaced_rank_draws_a_fresh_random_state(lab):
     lab.seed(3, same=True)
     os.kill(lab.status().ranks[2].pid, signal.SIGKILL)
     time.sleep(0.5)
-    with pytest.raises(RankFailure):
-        lab.run_cell("x = torch.ones(1)\ndist.all_reduce(x)")
+    lab.run_cell("x = torch.ones(1)\ndist.all_reduce(x)")  # the dead rank is replaced first, then it runs
     seeds = lab.run_cell("torch.initial_seed()")
     assert seeds[2] != seeds[0] and seeds[0] == seeds[1] == seeds[3] == "3"
 

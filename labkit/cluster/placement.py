@@ -36,6 +36,7 @@ class RankPlan:
     backend: str
     ranks: int
     threads_per_rank: int
+    check_collectives: bool = False
     gpus: tuple[str, ...] = ()
     env_per_rank: tuple[dict, ...] = field(default_factory=tuple)
 
@@ -46,7 +47,8 @@ class RankPlan:
     def describe(self) -> str:
         if self.backend == "nccl":
             return f"{self.ranks} ranks, nccl, one GPU each ({', '.join(self.gpus)})"
-        return f"{self.ranks} ranks, gloo on CPU, {self.threads_per_rank} thread(s) each"
+        checked = ", collectives checked" if self.check_collectives else ""
+        return f"{self.ranks} ranks, gloo on CPU, {self.threads_per_rank} thread(s) each{checked}"
 
 
 def visible_gpus(environ=os.environ) -> tuple[str, ...]:
@@ -116,6 +118,7 @@ def plan_ranks(
     interface: str | None = None,
     oversubscribe: bool = False,
     available_memory: int | None = None,
+    check_collectives: bool = False,
 ) -> RankPlan:
     """Check a request against the machine and decide each rank's environment.
 
@@ -126,8 +129,9 @@ def plan_ranks(
     """
     if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
         raise DeviceError(f"ranks must be a positive integer, got {ranks!r}")
-    if not isinstance(oversubscribe, bool):
-        raise DeviceError(f"oversubscribe is True or False, got {oversubscribe!r}")
+    for name, flag in (("oversubscribe", oversubscribe), ("check_collectives", check_collectives)):
+        if not isinstance(flag, bool):
+            raise DeviceError(f"{name} is True or False, got {flag!r}")
     gpus = visible_gpus() if gpus is None else tuple(gpus)
     if backend is None:
         backend = "nccl" if gpus else "gloo"
@@ -170,11 +174,16 @@ def plan_ranks(
             # A gloo rank must never grab a GPU by accident; an nccl rank sees its own.
             "CUDA_VISIBLE_DEVICES": gpus[rank] if backend == "nccl" else "",
         }
+        if check_collectives:
+            # torch checks every collective's kind, shapes and dtypes across ranks before running it
+            # (one more small collective each) and names the ranks that differ.
+            env["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
         env_per_rank.append(env)
     return RankPlan(
         backend=backend,
         ranks=ranks,
         threads_per_rank=threads_per_rank,
+        check_collectives=check_collectives,
         gpus=gpus[:ranks] if backend == "nccl" else (),
         env_per_rank=tuple(env_per_rank),
     )

@@ -16,6 +16,7 @@ for it in a collective are released with "connection closed" instead of hanging.
 from __future__ import annotations
 
 import ast
+import re
 import linecache
 import os
 import signal
@@ -23,6 +24,7 @@ import socket
 import sys
 import time
 import traceback
+import warnings
 from datetime import timedelta
 
 import torch
@@ -68,6 +70,9 @@ class RankRuntime(RankContext):
         if self.backend == "nccl":
             torch.cuda.set_device(self.device)
         seed_independently()  # forked ranks would otherwise share the host's random state
+        # torch read TORCH_DISTRIBUTED_DEBUG when the host imported it, before this rank's own
+        # environment was set (check_collectives): read it again.
+        dist.set_debug_level_from_env()
         self._publish_names()
 
     # -- names a cell sees --------------------------------------------------
@@ -173,11 +178,15 @@ class RankRuntime(RankContext):
         from torch.distributed import distributed_c10d as c10d
 
         limit = timedelta(seconds=seconds)
-        for group in list(c10d._world.pg_map):
-            try:
-                c10d._set_pg_timeout(limit, group)
-            except Exception:  # groups of backends without the knob keep theirs
-                pass
+        with warnings.catch_warnings():
+            # check_collectives wraps groups in torch's checker, which has no knob: they keep the
+            # limit they were made with (start_timeout), and torch would warn at every cell.
+            warnings.simplefilter("ignore", UserWarning)
+            for group in list(c10d._world.pg_map):
+                try:
+                    c10d._set_pg_timeout(limit, group)
+                except Exception:  # groups of backends without the knob keep theirs
+                    pass
 
     # -- mesh -----------------------------------------------------------------
 
@@ -280,8 +289,17 @@ def classify_error(error: BaseException) -> str:
     return FailureKind.RAISED
 
 
+_FINGERPRINT = re.compile(r"Rank (\d+) is running collective: CollectiveFingerPrint\(SequenceNumber=(\d+), "
+                          r"OpType=(\w+), TensorShape=\[([^\]]*)\], TensorDtypes=(\w+)")
+
+
 def _hint(error: BaseException) -> str:
     """What to do about an error that ranks make where a single process would not."""
+    calls = _FINGERPRINT.findall(str(error))
+    if calls:
+        said = "; ".join(f"rank {rank} calls {op.lower()} of shape [{shape}] ({dtype.lower()}), its collective "
+                         f"number {sequence}" for rank, sequence, op, shape, dtype in calls)
+        return f"Hint: the ranks called different collectives at the same point: {said}.\n"
     if isinstance(error, NameError):
         return ("Hint: each rank has its own namespace. Names the notebook defined or imported are not on the "
                 "ranks: import inside the function, or run the import in a %%lab cell first.\n")

@@ -58,7 +58,8 @@ def format_ranks(ranks) -> str:
 _SIGNAL_CAUSES = {
     "SIGKILL": "killed: by someone (kill -9, %lab kill) or by the kernel's out-of-memory killer",
     "SIGABRT": "aborted by torch's C++ code: commonly a collective whose tensor sizes, dtypes or order "
-               "differ between ranks, or a failed internal check; the rank's log has the reason",
+               "differ between ranks (start the lab with check_collectives=True to have the mismatch "
+               "named), or a failed internal check; the rank's log has the reason",
     "SIGSEGV": "crashed (segmentation fault) in native code",
     "SIGBUS": "crashed (bus error): often shared memory (/dev/shm) running out",
     "SIGTERM": "terminated by a signal asking it to end",
@@ -212,6 +213,13 @@ class RankFailure(LabError):
             parts.append(f"{format_ranks(self.replaced)} did not respond and {_were(self.replaced)} replaced by fresh processes")
         if not parts and self.timed_out:
             parts.append(f"the work did not finish within {self.timeout_seconds:g} s")
+        finished = [rank for rank, report in self.reports.items() if report.get("ok")]
+        waited = sorted(set(self.hung) | set(self.released))
+        if finished and waited and not self.raised and not self.died and not self.interrupted:
+            # Nobody failed on its own: the finished ranks left a collective the others were in.
+            parts.append(f"{format_ranks(finished)} finished while the others waited in a collective: "
+                         f"{'it' if len(finished) == 1 else 'they'} skipped a collective (or called fewer) "
+                         f"that {format_ranks(waited)} called")
         return "; ".join(parts) or "work failed on some ranks"
 
     def details(self) -> str:

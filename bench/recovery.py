@@ -1,0 +1,174 @@
+"""Recovery benchmark: a rank killed mid-training, until the error is shown and until training goes on.
+
+    ./lab bench recovery [--repeats 3]
+
+On 4 gloo ranks (one thread each), a DDP run of the zoo MLP with a checkpoint every
+10 steps; rank 2 is slowed by 30 ms a step so a kill lands mid-step. For each repeat:
+
+  death to error   SIGKILL of rank 1 while a collective is in flight, until ``run.wait()``
+                   raises (every rank back, the group rebuilt);
+  heal to resumed  ``lab.heal()`` (replace the rank, load the newest checkpoint, start the
+                   continuation) until the continuation's first step is done;
+  steps lost       the steps finished when the rank died, minus the checkpoint's step;
+  one rank start   replacing one rank alone (``RankCluster.replace``), for scale;
+  torchrun         ``torchrun --max-restarts 1`` of a DDP script that saves a checkpoint
+                   every 10 steps: worker 1 kills itself, torchrun restarts all four, they
+                   load the checkpoint; from the kill until the first step after it.
+
+Medians over the repeats; ratios from this one run. Writes bench/results/recovery.json.
+Targets: death to error at most 2 s with a collective in flight; heal to resumed at most
+1.5x one rank's start and well under torchrun's restart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from labkit import Lab
+
+RESULTS = Path(__file__).resolve().parent / "results" / "recovery.json"
+
+TORCHRUN_SCRIPT = r'''
+import os, sys, time, torch, torch.distributed as dist
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(128, 512), torch.nn.ReLU(), torch.nn.Linear(512, 128))
+ddp = torch.nn.parallel.DistributedDataParallel(model)
+optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+path, marks = sys.argv[1], sys.argv[2]
+step = 0
+if os.path.exists(path):
+    state = torch.load(path, weights_only=False)
+    model.load_state_dict(state["model"]); optimizer.load_state_dict(state["optimizer"]); step = state["step"]
+    if rank == 0:
+        first = True
+for step in range(step, 60):
+    x = torch.randn(8, 128, generator=torch.Generator().manual_seed(step * world + rank))
+    optimizer.zero_grad(); ddp(x).pow(2).mean().backward(); optimizer.step()
+    if rank == 2:
+        time.sleep(0.03)
+    if rank == 0 and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0" and "first" in dir():
+        with open(marks, "a") as f: f.write(f"resumed {time.time()}\n")
+        del first
+    if (step + 1) % 10 == 0:
+        if rank == 0:
+            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step + 1}, path + ".tmp")
+            os.replace(path + ".tmp", path)
+        dist.barrier()
+    if step == 25 and rank == 1 and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+        with open(marks, "a") as f: f.write(f"killed {time.time()}\n")
+        os.kill(os.getpid(), 9)
+dist.destroy_process_group()
+'''
+
+
+def wait_for(predicate, limit: float = 120.0) -> None:
+    deadline = time.monotonic() + limit
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError("the benchmark waited too long")
+        time.sleep(0.01)
+
+
+def lab_round(lab: Lab, scratch: str, index: int) -> dict:
+    directory = os.path.join(scratch, f"lab-{index}")
+    lab.slow(2, 0.03)
+    run = lab.train("ddp", "mlp", steps=200, log_every=1000, checkpoint_every=10, checkpoint_dir=directory,
+                    background=True)
+    wait_for(lambda: os.path.exists(os.path.join(directory, "step-00000010", "labkit.json")))
+    time.sleep(0.25)
+    finished = run.table.latest_step + 1
+    killed = time.monotonic()
+    lab.kill(1)
+    try:
+        run.wait(120)
+        raise RuntimeError("the run did not fail")
+    except RuntimeError:
+        raise
+    except Exception:  # noqa: BLE001 - the failure is what is measured
+        death_to_error = time.monotonic() - killed
+    checkpoint = max(int(name.split("-")[1]) for name in os.listdir(directory) if name.startswith("step-"))
+    began = time.monotonic()
+    continued = lab.heal()
+    wait_for(lambda: continued.table.latest_step is not None)
+    heal_to_resumed = time.monotonic() - began
+    continued.stop()
+    continued.wait(120)
+    lab.slow(2, None)
+    return {"death_to_error": death_to_error, "heal_to_resumed": heal_to_resumed,
+            "steps_lost": max(0, finished - checkpoint)}
+
+
+def one_rank_start(lab: Lab) -> float:
+    began = time.monotonic()
+    lab.cluster.replace([3])
+    seconds = time.monotonic() - began
+    lab.session.form_group()
+    return seconds
+
+
+def torchrun_round(scratch: str, index: int) -> float:
+    script = Path(scratch, "ddp_restart.py")
+    script.write_text(TORCHRUN_SCRIPT)
+    marks = Path(scratch, f"marks-{index}")
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    subprocess.run([torchrun, "--standalone", "--nproc_per_node=4", "--max-restarts=1", str(script),
+                    str(Path(scratch, f"ckpt-{index}.pt")), str(marks)],
+                   check=True, capture_output=True, timeout=300,
+                   env={**os.environ, "OMP_NUM_THREADS": "1"})
+    times = dict(line.split() for line in marks.read_text().splitlines())
+    return float(times["resumed"]) - float(times["killed"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    options = parser.parse_args()
+    scratch = tempfile.mkdtemp(prefix="labkit-bench-recovery-")
+    rounds, starts, torchrun = [], [], []
+    try:
+        with Lab(ranks=4, backend="gloo", threads_per_rank=1, timeout=60) as lab:
+            lab.train("ddp", "mlp", steps=2, log_every=1000)  # warm
+            for index in range(options.repeats):
+                rounds.append(lab_round(lab, scratch, index))
+                starts.append(one_rank_start(lab))
+                torchrun.append(torchrun_round(scratch, index))
+                print(f"repeat {index + 1}: {rounds[-1]}, one rank start {starts[-1]:.2f} s, "
+                      f"torchrun restart {torchrun[-1]:.2f} s", flush=True)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    median = {key: statistics.median(r[key] for r in rounds) for key in rounds[0]}
+    start, restart = statistics.median(starts), statistics.median(torchrun)
+    ratios = {
+        "death to error, s (target <= 2)": median["death_to_error"],
+        "heal to resumed / one rank start (target <= 1.5)": median["heal_to_resumed"] / start,
+        "heal to resumed / torchrun restart": median["heal_to_resumed"] / restart,
+    }
+    print(f"\nmedians of {options.repeats} runs on 4 ranks, seconds (machine: {os.cpu_count()} cores)")
+    print(f"death to error {median['death_to_error']:.2f}  heal to resumed {median['heal_to_resumed']:.2f}  "
+          f"steps lost {median['steps_lost']:.0f}  one rank start {start:.2f}  torchrun restart {restart:.2f}")
+    for name, value in ratios.items():
+        print(f"{name}: {value:.2f}")
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps({
+        "when": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "machine": {"cores": os.cpu_count(), "python": platform.python_version()},
+        "rounds": rounds, "one_rank_start_seconds": starts, "torchrun_restart_seconds": torchrun,
+        "medians": median, "ratios": ratios,
+    }, indent=2))
+    print(f"\nwrote {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()
