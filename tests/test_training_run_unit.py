@@ -89,3 +89,23 @@ def test_the_last_header_of_a_failed_run_says_it_failed():
     with pytest.raises(RuntimeError, match="ZeroDivisionError"):
         run.wait(1)
     assert "failed: rank 1 raised ZeroDivisionError" in run.dashboard.header.value
+
+
+def test_a_rank_that_died_is_marked_on_the_dashboard_at_its_step():
+    from labkit.spec.errors import RankFailure
+
+    died = {"rank": 1, "ok": False, "error": {"type": "ProcessDied", "message": "the rank's process exited",
+                                              "traceback": "", "kind": "died"}}
+    reports = {0: {"rank": 0, "ok": True, "value": rank_result(0)}, 1: died}
+    config = resolve(2, strategy="ddp", model="mlp", steps=3, global_batch=8)
+    session = FakeSession(reports, failed=True)
+    session.failure = lambda work, got, timeout: RankFailure(got)
+    run = TrainingRun(session, config, timeout=30, dashboard=True, background=False)
+    for rank in range(2):  # the steps the ranks had published before rank 1 died
+        run.table.merge({"rank": rank, "seq": 1, "rows": [row(rank, step) for step in range(2)]})
+    run.start()
+    with pytest.raises(RankFailure, match="rank 1 died"):
+        run.wait(1)
+    assert run.dashboard.failures == [((1,), 2, "died")]
+    marks = [text.get_text() for text in run.dashboard._throughput.texts]
+    assert "rank 1 died" in marks

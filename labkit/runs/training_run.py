@@ -102,6 +102,7 @@ class TrainingRun:
                 if not work.failed:
                     break
                 error = self.session.failure(work, reports, self.timeout)
+                self._mark_failure(error)
                 if not self._heal(work, error):
                     for note in self.heals:  # what auto_heal did before it stopped, and why it stopped
                         error.add_note(f"auto_heal: {note}")
@@ -126,6 +127,13 @@ class TrainingRun:
             if self.dashboard is not None:
                 self.dashboard.finish(self.status())
             self._done.set()
+
+    def _mark_failure(self, error) -> None:
+        """Show on the dashboard which ranks died (or were replaced), after which step."""
+        gone = sorted(set(getattr(error, "died", {})) | set(getattr(error, "replaced", ())))
+        if self.dashboard is not None and gone:
+            latest = self.table.latest_step
+            self.dashboard.mark_failure(gone, 0 if latest is None else latest + 1)
 
     def _heal(self, work: RankWork, error) -> bool:
         """With auto_heal: go back to the last checkpoint on the repaired ranks and go on; whether it did."""

@@ -119,6 +119,7 @@ class Dashboard:
         self.render_seconds = 0.0
         self._last_draw = 0.0
         self._lock = threading.Lock()
+        self.failures: list[tuple] = []  # (ranks, step, what) marked on the axes
         self.header = widgets.HTML(value=f"<b>{title}</b>: starting")
         self.image = widgets.Image(format="jpeg", layout=widgets.Layout(width="760px"))
         self.stop_button = widgets.Button(description="Stop", button_style="danger", icon="stop")
@@ -306,6 +307,17 @@ class Dashboard:
         # of a step scrolled out of view beside the axes, over the neighbouring panel.
         self._throughput.annotate(text, (step, 0.02), xycoords=("data", "axes fraction"), rotation=90,
                                   fontsize=7, va="bottom", ha="right", color=_colour(rank), annotation_clip=True)
+
+    def mark_failure(self, ranks, step: int, what: str = "died") -> None:
+        """A failure on the step axes: which ranks went, after which step (kept if the run heals)."""
+        text = f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} {what}"
+        with self._lock:
+            for axes in (self._throughput, self._loss):
+                axes.axvline(step, color="#cc3311", linewidth=1.5)
+            self._throughput.annotate(text, (step, 0.98), xycoords=("data", "axes fraction"), rotation=90,
+                                      fontsize=7, va="top", ha="right", color="#cc3311", annotation_clip=True)
+            self.failures.append((tuple(ranks), step, what))
+            self._background = None  # the marks are part of the background: draw it again
 
     def finish(self, status: str) -> None:
         """Last redraw; leave the final picture as a plain image output as well."""
