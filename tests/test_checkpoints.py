@@ -183,3 +183,11 @@ def test_the_fault_magics(lab, tmp_path):
     shell.run_line_magic("lab", "heal")
     assert lab.status().healthy and lab.run(lambda: this_rank().rank) == [0, 1, 2, 3]
     magics.lab = None
+
+
+def test_only_the_newest_checkpoints_are_kept_when_asked(lab, tmp_path):
+    lab.train("ddp", "mlp", steps=8, log_every=100, checkpoint_every=2, checkpoint_dir=str(tmp_path),
+              keep_checkpoints=2)
+    assert sorted(os.listdir(tmp_path)) == ["step-00000006", "step-00000008"]
+    with pytest.raises(LabConfigError, match="keep_checkpoints must be a positive integer"):
+        lab.train("ddp", "mlp", steps=2, checkpoint_every=1, checkpoint_dir=str(tmp_path), keep_checkpoints=0)

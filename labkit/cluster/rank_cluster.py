@@ -132,6 +132,7 @@ class RankCluster:
             self._start_rank(rank, deadline)
         self.client = self.cluster.connect_client_sync()
         self._wait_for_ranks(set(range(self.plan.ranks)), deadline)
+        self.host.warm()  # while the first cells run: a rank that replaces one later starts warm
 
     @staticmethod
     def _left(deadline: float) -> float:
@@ -271,14 +272,21 @@ class RankCluster:
         try:
             status = psutil.Process(pid).status()
         except psutil.NoSuchProcess:
-            return "exited"
+            status = psutil.STATUS_ZOMBIE
         if status == psutil.STATUS_ZOMBIE:
-            return "exited"
+            return f"exited ({describe_exit(self._exit_code(pid))})"
         if status in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP):
             return "was frozen (stopped by a signal such as SIGSTOP)"
         if self.client is not None and self.engine_of.get(rank) not in self.client.ids:
             return "was dropped by the controller (it missed its heartbeats)"
         return None
+
+    def _exit_code(self, pid: int, wait: float = 1.0) -> int | None:
+        """The code the host reports for an ended child, waiting a moment for the report to arrive."""
+        deadline = time.monotonic() + wait
+        while self.host is not None and pid not in self.host.exit_codes and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return self.host.exit_codes.get(pid) if self.host is not None else None
 
     def is_alive(self, rank: int) -> bool:
         return self.condition(rank) is None
@@ -293,10 +301,7 @@ class RankCluster:
             return "the lab's controller is not running"
         pid = controller.pid
         if pid in self.host.exit_codes or _gone(pid):
-            deadline = time.monotonic() + 1.0  # the host reports the exit code once it has collected it
-            while pid not in self.host.exit_codes and time.monotonic() < deadline:
-                time.sleep(0.02)
-            return f"the lab's controller exited ({describe_exit(self.host.exit_codes.get(pid))})"
+            return f"the lab's controller exited ({describe_exit(self._exit_code(pid))})"
         return None
 
     def broken_ranks(self) -> dict[int, str]:

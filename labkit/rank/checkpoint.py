@@ -80,5 +80,12 @@ def save_during_run(state: TrainState, config) -> str:
 
     name = f"step-{state.step:08d}"
     os.makedirs(config.checkpoint_dir, exist_ok=True)
-    return save(state, os.path.join(config.checkpoint_dir, name),
-                os.path.join(config.checkpoint_dir, f".partial-{name}"), checkpoint_settings(config))
+    target = save(state, os.path.join(config.checkpoint_dir, name),
+                  os.path.join(config.checkpoint_dir, f".partial-{name}"), checkpoint_settings(config))
+    if config.keep_checkpoints and dist.get_rank() == 0:
+        complete = sorted(entry for entry in os.listdir(config.checkpoint_dir)
+                          if entry.startswith("step-") and os.path.isfile(os.path.join(config.checkpoint_dir, entry,
+                                                                                       META_FILE)))
+        for old in complete[:-config.keep_checkpoints]:  # the newest stay; a heal needs only the last
+            shutil.rmtree(os.path.join(config.checkpoint_dir, old), ignore_errors=True)
+    return target

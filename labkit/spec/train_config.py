@@ -47,6 +47,7 @@ class TrainConfig:
     peak_tflops: float | None = None
     checkpoint_every: int | None = None  # steps between checkpoints (with checkpoint_dir)
     checkpoint_dir: str | None = None
+    keep_checkpoints: int | None = None  # the newest this many stay in checkpoint_dir (None: all)
     auto_heal: bool = False  # after a failure: replace ranks, load the last checkpoint, go on
     max_restarts: int = 3
     model_settings: dict = field(default_factory=dict)
@@ -97,7 +98,7 @@ def user_settings() -> set[str]:
 
 # What a continuation (``resume=True``) may change: how long it runs and how it reports.
 RESUME_MAY_CHANGE = ("steps", "log_every", "verify", "max_memory", "peak_tflops", "first_step", "mesh_reason",
-                     "checkpoint_every", "checkpoint_dir", "auto_heal", "max_restarts")
+                     "checkpoint_every", "checkpoint_dir", "keep_checkpoints", "auto_heal", "max_restarts")
 # What makes a checkpoint another model: loading it under other values is refused.
 MODEL_IDENTITY = ("model", "model_settings")
 
@@ -106,7 +107,8 @@ def checkpoint_settings(config: TrainConfig) -> dict:
     """What a checkpoint records of its run: every setting a user gives, the strategies' own included."""
     settings = {name: value for name, value in config.as_dict().items() if name in user_settings()}
     settings.update(config.options)
-    for name in ("checkpoint_every", "checkpoint_dir", "auto_heal", "max_restarts", "verify", "max_memory"):
+    for name in ("checkpoint_every", "checkpoint_dir", "keep_checkpoints", "auto_heal", "max_restarts", "verify",
+                 "max_memory"):
         settings.pop(name, None)  # how that run was watched and kept, not what it trained
     return {"settings": settings, "mesh": dict(zip(config.mesh_names, config.mesh_shape))}
 
@@ -249,6 +251,8 @@ def _check(config: TrainConfig) -> None:
     elif config.checkpoint_dir is not None and not isinstance(config.checkpoint_dir, str):
         raise ValueError(f"checkpoint_dir is a directory's path, got {config.checkpoint_dir!r}")
     _positive_int("max_restarts", config.max_restarts)
+    if config.keep_checkpoints is not None:
+        _positive_int("keep_checkpoints", config.keep_checkpoints)
     if config.auto_heal and config.checkpoint_every is None:
         raise ValueError("auto_heal goes back to the last checkpoint: give checkpoint_every and checkpoint_dir too")
     if config.peak_tflops is not None:

@@ -96,6 +96,10 @@ class ProcessHost:
         self.process.stdin.flush()
         return future
 
+    def warm(self) -> Future:
+        """Ask the host to import what ranks need later (children forked after it start with it)."""
+        return self.request_spawn("warm", [], {}, os.devnull)
+
     def spawn(self, entry: str, argv: list[str], env: dict[str, str], log: str, timeout: float) -> int:
         try:
             reply = self.request_spawn(entry, argv, env, log, cwd=os.getcwd()).result(timeout)

@@ -50,6 +50,19 @@ RANK_MODULES = (
     "pydoc",
     "labkit.rank.runtime",
 )
+# What a rank imports on its first training run or checkpoint (about 1.5 s of CPU). The host
+# imports them once the lab is up ("warm" request), so ranks forked later (replacing one that
+# died) start with them: a heal does not pay the imports again.
+WARM_MODULES = (
+    "torch.distributed.checkpoint",
+    "torch.distributed.checkpoint.state_dict",
+    "torch.distributed.fsdp",
+    "torch.distributed.tensor.parallel",
+    "torch.distributed.pipelining",
+    "labkit.rank.loop",
+    "labkit.rank.checkpoint",
+    "labkit.rank.verify",
+)
 CONTROLLER_MODULE = "ipyparallel.controller.app"
 TERMINATE_GRACE_SECONDS = 3.0
 
@@ -187,6 +200,14 @@ class _Host:
 
     def handle(self, line: str) -> None:
         request = json.loads(line)
+        if request.get("entry") == "warm":
+            for name in WARM_MODULES:
+                try:
+                    __import__(name)
+                except Exception:  # noqa: BLE001 - a rank imports what it needs anyway
+                    pass
+            self.reply({"id": request.get("id"), "warm": True})
+            return
         try:
             pid = self.spawn(request)
         except Exception as error:  # the owner decides what to do with it
