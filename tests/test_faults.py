@@ -22,8 +22,19 @@ pytestmark = pytest.mark.lab
 
 @pytest.fixture
 def pair():
-    with Lab(ranks=2, backend="gloo", threads_per_rank=1, timeout=30, interrupt_grace=2) as lab:
+    """A 2-rank lab; afterwards nothing of it may be left: no process, no listening port."""
+    lab = Lab(ranks=2, backend="gloo", threads_per_rank=1, timeout=30, interrupt_grace=2).start()
+    try:
         yield lab
+    finally:
+        pids, ports = set(), set()
+        if lab.cluster is not None:
+            pids = set(lab.cluster.process_ids())
+            ports = {port for _, port, _ in lab.cluster.listening_addresses()}
+        lab.stop()
+        assert wait_gone(pids, 10) == set(), "processes outlived stop"
+        listening = {c.laddr.port for c in psutil.net_connections("inet") if c.status == psutil.CONN_LISTEN}
+        assert not ports & listening, "ports still listening after stop"
 
 
 def _sleepers(lab) -> list[int]:
