@@ -9,8 +9,19 @@ from labkit import Lab
 @pytest.fixture(scope="module")
 def lab():
     # Short limits keep failure tests quick; each test may pass its own timeout.
-    with Lab(ranks=4, backend="gloo", threads_per_rank=1, timeout=30, interrupt_grace=3) as running:
+    running = Lab(ranks=4, backend="gloo", threads_per_rank=1, timeout=30, interrupt_grace=3).start()
+    try:
         yield running
+    finally:
+        # Whatever the module's tests killed, froze or replaced: nothing of the lab outlives stop.
+        pids, ports = set(), set()
+        if running.cluster is not None:
+            pids = set(running.cluster.process_ids())
+            ports = {port for _, port, _ in running.cluster.listening_addresses()}
+        running.stop()
+        assert wait_gone(pids, 10) == set(), "processes outlived stop"
+        listening = {c.laddr.port for c in psutil.net_connections("inet") if c.status == psutil.CONN_LISTEN}
+        assert not ports & listening, "ports still listening after stop"
 
 
 def ipython_shell():
