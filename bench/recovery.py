@@ -23,9 +23,7 @@ Targets: death to error at most 2 s with a collective in flight; heal to resumed
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -35,6 +33,7 @@ import time
 from pathlib import Path
 
 from labkit import Lab, RankFailure
+from results_file import write_results
 
 RESULTS = Path(__file__).resolve().parent / "results" / "recovery.json"
 
@@ -158,14 +157,8 @@ def main() -> None:
           f"steps lost {median['steps_lost']:.0f}  one rank start {start:.2f}  torchrun restart {restart:.2f}")
     for name, value in ratios.items():
         print(f"{name}: {value:.2f}")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({
-        "when": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        "machine": {"cores": os.cpu_count(), "python": platform.python_version()},
-        "rounds": rounds, "one_rank_start_seconds": starts, "torchrun_restart_seconds": torchrun,
-        "medians": median, "ratios": ratios,
-    }, indent=2))
-    print(f"\nwrote {RESULTS}")
+    write_results(RESULTS, {"rounds": rounds, "one_rank_start_seconds": starts, "torchrun_restart_seconds": torchrun,
+                            "medians": median, "ratios": ratios})
 
 
 if __name__ == "__main__":

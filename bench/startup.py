@@ -18,9 +18,7 @@ bench/results/startup.json and prints a table.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -29,6 +27,7 @@ import time
 from pathlib import Path
 
 from labkit import Lab
+from results_file import write_results
 
 RESULTS = Path(__file__).resolve().parent / "results" / "startup.json"
 
@@ -153,10 +152,7 @@ def main() -> None:
     for name, value in ratios.items():
         print(f"{name}: {value:.2f}")
 
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({
-        "when": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        "machine": {"cores": os.cpu_count(), "python": platform.python_version()},
+    write_results(RESULTS, {
         "repeats": options.repeats,
         "samples": {kind: {str(n): v for n, v in by_n.items()} for kind, by_n in samples.items()},
         "median_seconds": {kind: {str(n): v for n, v in by_n.items()} for kind, by_n in median.items()},
@@ -164,8 +160,7 @@ def main() -> None:
         "notebook_side_seconds": [seconds for seconds, _ in notebook_side],
         "notebook_side_heavy_modules": heavy_loaded,
         "ratios": ratios,
-    }, indent=2))
-    print(f"\nwrote {RESULTS.relative_to(Path.cwd()) if RESULTS.is_relative_to(Path.cwd()) else RESULTS}")
+    })
 
 
 if __name__ == "__main__":

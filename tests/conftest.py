@@ -13,15 +13,20 @@ def lab():
     try:
         yield running
     finally:
-        # Whatever the module's tests killed, froze or replaced: nothing of the lab outlives stop.
-        pids, ports = set(), set()
-        if running.cluster is not None:
-            pids = set(running.cluster.process_ids())
-            ports = {port for _, port, _ in running.cluster.listening_addresses()}
-        running.stop()
-        assert wait_gone(pids, 10) == set(), "processes outlived stop"
-        listening = {c.laddr.port for c in psutil.net_connections("inet") if c.status == psutil.CONN_LISTEN}
-        assert not ports & listening, "ports still listening after stop"
+        stop_leaving_nothing(running)
+
+
+def stop_leaving_nothing(lab) -> None:
+    """Stop ``lab`` and check that no process or listening port of it outlives the stop, whatever
+    its tests killed, froze or replaced."""
+    pids, ports = set(), set()
+    if lab.cluster is not None:
+        pids = set(lab.cluster.process_ids())
+        ports = {port for _, port, _ in lab.cluster.listening_addresses()}
+    lab.stop()
+    assert wait_gone(pids, 10) == set(), "processes outlived stop"
+    listening = {c.laddr.port for c in psutil.net_connections("inet") if c.status == psutil.CONN_LISTEN}
+    assert not ports & listening, "ports still listening after stop"
 
 
 def ipython_shell():

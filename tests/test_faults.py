@@ -15,7 +15,7 @@ import pytest
 from labkit import Lab, LabConfigError, LabError, RankFailure
 from labkit.rank.entry import this_rank
 
-from .conftest import wait_gone
+from .conftest import stop_leaving_nothing, wait_gone
 
 pytestmark = pytest.mark.lab
 
@@ -27,14 +27,7 @@ def pair():
     try:
         yield lab
     finally:
-        pids, ports = set(), set()
-        if lab.cluster is not None:
-            pids = set(lab.cluster.process_ids())
-            ports = {port for _, port, _ in lab.cluster.listening_addresses()}
-        lab.stop()
-        assert wait_gone(pids, 10) == set(), "processes outlived stop"
-        listening = {c.laddr.port for c in psutil.net_connections("inet") if c.status == psutil.CONN_LISTEN}
-        assert not ports & listening, "ports still listening after stop"
+        stop_leaving_nothing(lab)
 
 
 def _sleepers(lab) -> list[int]:
