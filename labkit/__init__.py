@@ -29,6 +29,8 @@ _EXPORTS = {
     "TrainingRun": "labkit.runs.training_run",
     "TrainReport": "labkit.views.train_report",
     "this_rank": "labkit.rank.entry",
+    "torchrun": "labkit.runs.torchrun",
+    "TorchrunFailed": "labkit.runs.torchrun",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -10,13 +10,11 @@ the printed results must be equal to the last bit.
 
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from labkit import LabConfigError, RankFailure
+from labkit import LabConfigError, RankFailure, torchrun
 
 from .conftest import ipython_shell
 
@@ -28,12 +26,8 @@ RESULT = re.compile(r"^(?:\[rank \d+\] )?((?:world 4|tp|fsdp|pipeline) loss \S+ 
 
 
 def under_torchrun(script: Path, *args: str) -> str:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4",
-               str(script), *args]
-    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
-    finished = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env, cwd=script.parent)
-    assert finished.returncode == 0, finished.stderr[-3000:]
-    return RESULT.findall(finished.stdout)
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo")
+    return RESULT.findall(torchrun(script, *args, nproc=4, env=env).stdout)
 
 
 @pytest.mark.parametrize("script, args", [
