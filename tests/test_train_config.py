@@ -21,7 +21,7 @@ def test_strategies_and_their_axes():
         (dict(strategy="tp+tp"), "names a part twice"),
         (dict(strategy="fsdp+tp", mesh=dict(dp=2, pp=2)), "uses mesh axes dp, tp"),
         (dict(strategy="fsdp+tp", mesh=dict(dp=3, tp=2)), "must multiply to 4"),
-        (dict(strategy="ddp", global_batch=30), "split evenly into dp=4"),
+        (dict(strategy="ddp", global_batch=30), "split evenly into 4 data-parallel replicas"),
         (dict(strategy="ddp", steps=0), "steps must be a positive integer"),
         (dict(strategy="pp", micro_batches=2), "micro_batches >= 4"),
         (dict(strategy="pp", model="gpt", model_settings=dict(layers=2), micro_batches=4), "at least 4 layers"),

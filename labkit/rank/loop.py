@@ -32,6 +32,7 @@ from labkit.rank.recorder import Publisher
 from labkit.rank.state import state_for
 from labkit.rank.step_timer import StepTimer
 from labkit.spec.train_config import OPTIMIZERS, TrainConfig
+from labkit.strategies.catalog import DATA_AXES
 from labkit.strategies.compose import shard_for_memory_estimate
 from labkit.zoo.models import build_model
 
@@ -91,13 +92,6 @@ def _coordinate(mesh, config: TrainConfig) -> dict[str, int]:
     return {name: mesh.get_local_rank(name) for name in config.mesh_names}
 
 
-def _data_slice(config: TrainConfig, coordinate: dict[str, int], tensors):
-    """This rank's part of the global batch: split over dp replicas only."""
-    replicas, replica = config.axis("dp"), coordinate.get("dp", 0)
-    size = config.global_batch // replicas
-    return [tensor[replica * size : (replica + 1) * size] for tensor in tensors]
-
-
 STOP_CHECK_EVERY = 4  # steps between agreements on a stop request (one 4-byte all-reduce)
 
 
@@ -153,15 +147,14 @@ class LossLog:
         config = self.config
         self._read(step + 1)
         loss = self._values[step]
-        if "dp" in config.mesh_names and config.axis("dp") > 1:
-            group = self.mesh["dp"].get_group()
+        for group, size in self.parallel.loss_groups:  # the mean over the data-parallel replicas
             total = control_tensor([loss], dtype=torch.float64, group=group)
             self.recorder.paused = True  # this all-reduce is the lab's, not the model's
             try:
                 dist.all_reduce(total, group=group)
             finally:
                 self.recorder.paused = False
-            loss = float(total) / config.axis("dp")
+            loss = float(total) / size
         if self.reporter:
             seconds = self.timer.seconds_of(step)
             took = f"  {seconds * 1000:.1f} ms" if seconds is not None else ""
@@ -181,7 +174,9 @@ def _train(config: TrainConfig, runtime) -> dict:
     parallel, optimizer, mesh = state.parallel, state.optimizer, state.mesh
     coordinate = _coordinate(mesh, config)
     data = state.data()
-    reporter = parallel.owns_loss and all(index == 0 for name, index in coordinate.items() if name != "pp")
+    # The first replica's last stage, first tensor shard prints the progress lines.
+    reporter = parallel.owns_loss and parallel.data_share[0] == 0 and all(
+        index == 0 for name, index in coordinate.items() if name not in ("pp", *DATA_AXES))
     recorder = runtime.recorder
     recorder.clear()  # rows and timeline describe this run only
     if config.instruments:
@@ -191,14 +186,14 @@ def _train(config: TrainConfig, runtime) -> dict:
     publisher = Publisher(recorder) if config.instruments else None
     timer = StepTimer(device)
     losses = LossLog(config, mesh, parallel, recorder, reporter, timer)
-    samples = config.global_batch // config.axis("dp")
+    samples = config.global_batch // config.data_parts if parallel.data_share is not None else 0
     tokens = samples * config.model_config.seq if config.model == "gpt" else None
     saved: list[str] = []  # checkpoints this run wrote
     for step in range(config.steps):  # this run's steps; the data position is the state's
         control.poll()
         if step and step % STOP_CHECK_EVERY == 0 and config.instruments and _agree_to_stop(control.stop_requested):
             break
-        inputs, targets = _data_slice(config, coordinate, data.batch(state.step, config.global_batch))
+        inputs, targets = parallel.batch_slice(data.batch(state.step, config.global_batch))
         inputs, targets = to_device(inputs, device), to_device(targets, device)
         timer.begin()
         if config.instruments:

@@ -64,7 +64,7 @@ def relative_difference(value: torch.Tensor, expected: torch.Tensor) -> float:
 
 def resummed_chunks(config: TrainConfig) -> int:
     """How the rounding-noise reference splits each batch: as the dp ranks and microbatches do, at least in two."""
-    chunks = max(2, config.axis("dp") * config.micro_batches)
+    chunks = max(2, config.data_parts * config.micro_batches)
     return chunks if config.global_batch % chunks == 0 else 1
 
 

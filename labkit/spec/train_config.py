@@ -15,10 +15,11 @@ Everything here is pure: no processes, no torch.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field, fields, replace
 
 from labkit.spec.mesh import MeshSpec
-from labkit.strategies.catalog import axes_of, parse_strategy, settings_by_name, strategy
+from labkit.strategies.catalog import DATA_AXES, axes_of, parse_strategy, settings_by_name, strategy
 from labkit.units import parse_bytes
 from labkit.zoo.configs import model_config
 
@@ -78,6 +79,14 @@ class TrainConfig:
     @property
     def dp_kind(self) -> str | None:
         return next((part for part in self.parts if strategy(part).axis == "dp"), None)
+
+    @property
+    def data_parts(self) -> int:
+        """Into how many equal parts each step's global batch is split (one per data-parallel replica)."""
+        for part in self.parts:
+            if strategy(part).data_parts is not None:
+                return strategy(part).data_parts(self)
+        return math.prod(self.axis(name) for name in DATA_AXES)
 
     @property
     def model_config(self):
@@ -261,10 +270,10 @@ def _check(config: TrainConfig) -> None:
         raise ValueError(f"unknown optimizer {config.optimizer!r}: choose {', '.join(OPTIMIZERS)}")
     _positive_number("lr", config.lr, "the learning rate")
     config.model_config  # refuses unknown models and settings
-    dp = config.axis("dp")
-    if config.global_batch % (dp * config.micro_batches):
+    replicas = config.data_parts
+    if config.global_batch % (replicas * config.micro_batches):
         raise ValueError(
-            f"global_batch={config.global_batch} must split evenly into dp={dp} replicas x "
+            f"global_batch={config.global_batch} must split evenly into {replicas} data-parallel replicas x "
             f"micro_batches={config.micro_batches}"
         )
     for part in config.parts:

@@ -25,7 +25,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-AXIS_ORDER = ("pp", "dp", "tp")  # outermost first: tp innermost keeps its groups on neighbouring ranks
+# Outermost first: tp innermost keeps its groups on neighbouring ranks; replicas that talk
+# rarely (DiLoCo) outermost, so the ranks of one replica are neighbours.
+AXIS_ORDER = ("replica", "pp", "dp", "tp")
+DATA_AXES = ("replica", "dp")  # the global batch is split over these (unless a strategy says otherwise)
 
 
 @dataclass(frozen=True)
@@ -37,6 +40,8 @@ class Setting:
     help: str
     choices: tuple = ()
     flag: str | None = None  # default: --name-with-dashes; a True default gets --no-... instead
+    minimum: float | None = None  # numbers: the least value allowed (default: 1 for integers, above 0 for floats)
+    below: float | None = None  # numbers: values must stay under this
 
     @property
     def option(self) -> str:
@@ -50,12 +55,20 @@ class Setting:
             raise ValueError(f"unknown {self.name} {value!r} for {strategy}: choose {' or '.join(self.choices)}")
         if isinstance(self.default, bool) and not isinstance(value, bool):
             raise ValueError(f"{self.name} ({strategy}) is True or False, got {value!r}")
-        if type(self.default) is int and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ValueError(f"{self.name} ({strategy}) is a positive integer, got {value!r}")
-        if isinstance(self.default, float) and (
-            isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0
-        ):
-            raise ValueError(f"{self.name} ({strategy}) is a positive number, got {value!r}")
+        if type(self.default) is int:
+            least = 1 if self.minimum is None else self.minimum
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                kind = "a positive integer" if least == 1 else f"an integer of at least {least:g}"
+                raise ValueError(f"{self.name} ({strategy}) is {kind}, got {value!r}")
+        if isinstance(self.default, float):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+                raise ValueError(f"{self.name} ({strategy}) is a number, got {value!r}")
+            if self.minimum is None and not value > 0:
+                raise ValueError(f"{self.name} ({strategy}) is a positive number, got {value!r}")
+            if self.minimum is not None and value < self.minimum:
+                raise ValueError(f"{self.name} ({strategy}) is at least {self.minimum:g}, got {value!r}")
+        if self.below is not None and isinstance(value, (int, float)) and not value < self.below:
+            raise ValueError(f"{self.name} ({strategy}) must be below {self.below:g}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -74,6 +87,9 @@ class Strategy:
     defaults: Callable[[Any], dict] | None = None
     # Each rank's role under this strategy (None: every rank trains the same way).
     roles: Callable[[Any, int], str] | None = None
+    # Into how many equal parts the global batch is split (None: the product of the data axes).
+    data_parts: Callable[[Any], int] | None = None
+    alone: bool = False  # runs by itself only, never in a composition (its ranks have roles of their own)
     module: str = field(default="")
 
     @property
@@ -154,6 +170,9 @@ def parse_strategy(text) -> tuple[str, ...]:
         )
     if len(set(parts)) != len(parts):
         raise ValueError(f"strategy {text!r} names a part twice")
+    lonely = [part for part in parts if CATALOG[part].alone]
+    if lonely and len(parts) > 1:
+        raise ValueError(f"{lonely[0]} runs alone ({CATALOG[lonely[0]].summary}): train with strategy {lonely[0]!r}")
     axes = [CATALOG[part].axis for part in parts]
     for axis in set(axes):
         sharing = [part for part in parts if CATALOG[part].axis == axis]
@@ -187,6 +206,8 @@ def compositions(world_size: int) -> tuple[str, ...]:
         if 2**count > world_size and count > 1:
             break
         for parts in combinations(CATALOG, count):
+            if count > 1 and any(CATALOG[part].alone for part in parts):
+                continue
             if len({CATALOG[part].axis for part in parts}) == count:
                 found.append("+".join(sorted(parts, key=lambda part: (CATALOG[part].order != 2, part))))
     return tuple(found)

@@ -27,7 +27,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 
-from labkit.strategies.catalog import role_of, strategy
+from labkit.strategies.catalog import DATA_AXES, role_of, strategy
 from labkit.strategies.ddp import accumulation_context
 
 
@@ -46,7 +46,8 @@ class ParallelModel:
     """
 
     def __init__(self, module: nn.Module, loss_fn, micro_batches: int, runner=None, grad_syncs=(),
-                 autocast=contextlib.nullcontext, step_wrappers=(), role: str = "trainer") -> None:
+                 autocast=contextlib.nullcontext, step_wrappers=(), role: str = "trainer",
+                 data_share: tuple[int, int] | None = (0, 1), loss_groups=(), update=None, forward=None) -> None:
         self.module = module
         self.loss_fn = loss_fn
         self.micro_batches = micro_batches
@@ -55,12 +56,26 @@ class ParallelModel:
         self.autocast = autocast
         self.step_wrappers = list(step_wrappers)
         self.role = role
+        self.data_share = data_share  # (index, parts) of each global batch this rank trains on; None: none
+        self.loss_groups = list(loss_groups)  # (group, size): the progress line averages the loss over these
+        self.update = update  # replaces optimizer.step() (a parameter server's push and pull); None: step
+        self.forward = forward  # replaces forward and backward for a rank with another role; None: train
         self.backward_watch = lambda loss: contextlib.nullcontext()
 
     @property
     def owns_loss(self) -> bool:
-        """Whether this rank computes the loss (under PP only the last stage does)."""
+        """Whether this rank computes the loss (under PP only the last stage does; a server never)."""
+        if self.data_share is None:
+            return False
         return self.runner is None or self.runner.is_last
+
+    def batch_slice(self, tensors):
+        """This rank's part of a global batch (nothing for a rank that takes no data)."""
+        if self.data_share is None:
+            return [tensor[:0] for tensor in tensors]
+        index, parts = self.data_share
+        size = tensors[0].shape[0] // parts
+        return [tensor[index * size : (index + 1) * size] for tensor in tensors]
 
     def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
         """Gradients of the mean loss over this rank's batch; that loss where this rank has it.
@@ -68,7 +83,9 @@ class ParallelModel:
         The loss comes back as a 0-d tensor on the rank's device: reading it
         (``float``) would make the CPU wait for the GPU every step.
         """
-        if self.runner is not None:
+        if self.forward is not None:
+            loss = self.forward(inputs, targets)
+        elif self.runner is not None:
             with self.autocast():
                 loss = self.runner.step(inputs, targets)
         else:
@@ -91,7 +108,10 @@ class ParallelModel:
         with contextlib.ExitStack() as wrappers:
             for wrap in self.step_wrappers:
                 wrappers.enter_context(wrap(optimizer))
-            optimizer.step()
+            if self.update is not None:
+                self.update(optimizer)
+            else:
+                optimizer.step()
 
     def named_parameters(self):
         """Parameter names as in the unwrapped model (DDP's ``module.`` prefix removed)."""
@@ -129,12 +149,28 @@ class Composition:
         self.runner = None  # runs forward and backward itself (the pipeline's schedule)
         self.own_precision = False  # a part casts for itself (FSDP's policy): no autocast
         self.role = "trainer"
+        self.data_share: tuple[int, int] | None = (0, 1)  # set from the data axes; a part may change it
+        self.loss_groups: list = []  # (group, size) pairs the progress line's loss is averaged over
+        self.update = None  # replaces optimizer.step() when set (called with the optimizer)
+        self.forward = None  # replaces forward and backward when set (called with inputs and targets)
 
     def uses(self, part: str) -> bool:
         return part in self.parts
 
 
+def _data_axes(composition: Composition, mesh) -> None:
+    """This rank's share of each batch and the groups its loss is averaged over: the data axes' own."""
+    index, parts = 0, 1
+    for name in DATA_AXES:
+        if name in composition.config.mesh_names and mesh[name].size() > 1:
+            index, parts = index * mesh[name].size() + mesh[name].get_local_rank(), parts * mesh[name].size()
+            if not composition.estimate_only:
+                composition.loss_groups.append((mesh[name].get_group(), mesh[name].size()))
+    composition.data_share = (index, parts)
+
+
 def _compose(composition: Composition, mesh) -> Composition:
+    _data_axes(composition, mesh)
     for part in sorted(composition.parts, key=lambda name: strategy(name).order):
         entry = strategy(part)
         importlib.import_module(entry.module_name).apply(composition, mesh[entry.axis], composition.config)
@@ -150,7 +186,9 @@ def parallelize(model: nn.Module, mesh, config, loss_fn, device: torch.device, b
     autocast = contextlib.nullcontext if composition.own_precision else autocast_for(config.precision, device)
     return ParallelModel(composition.model, loss_fn, config.micro_batches, runner=composition.runner,
                          grad_syncs=composition.grad_syncs, autocast=autocast,
-                         step_wrappers=composition.step_wrappers, role=role_of(config.parts, config, rank))
+                         step_wrappers=composition.step_wrappers, role=role_of(config.parts, config, rank),
+                         data_share=composition.data_share, loss_groups=composition.loss_groups,
+                         update=composition.update, forward=composition.forward)
 
 
 def shard_for_memory_estimate(model: nn.Module, mesh, config, backend: str) -> nn.Module:
