@@ -167,6 +167,18 @@ class Lab:
         self.session.require_running()
         return self.session.control.set_slowdown(rank, seconds, self.world_size)
 
+    def link(self, bandwidth=..., latency=...):
+        """Put a simulated slow network between the ranks: ``lab.link("100Mbit", "20ms")``; ``lab.link("off")``.
+
+        Every collective of the lab's groups (world group, meshes, training runs) then completes
+        later by latency x message rounds + bytes sent / bandwidth (``labkit.spec.link``); the host's
+        network is untouched. A part left out adds nothing. Set between runs; replaced ranks and
+        restarts keep it. Returns the link in place (a ``LinkSpec``, or None); ``lab.link()`` shows it.
+        """
+        from labkit.runs.link import set_link
+
+        return set_link(self.session, bandwidth, latency)
+
     # -- running work ---------------------------------------------------------
 
     def run(self, fn, *args, timeout: float | None = None, **kwargs) -> list:
@@ -200,6 +212,32 @@ class Lab:
         source, where = read_script(path)
         self.session.execute(self.session.targets(ranks), entry.run_script, (source, where, [str(a) for a in args]),
                              timeout)
+
+    def tasks(self, fn, items, timeout: float | None = None, retries: int | None = None, live: bool | None = None):
+        """Run ``fn(item)`` for every item on whichever rank is idle (a work-stealing queue).
+
+        ipyparallel's load-balanced scheduler hands a rank the next task when it is idle, so a
+        fast rank does more. A rank lost mid-task is replaced and its task requeued (at most
+        ``retries`` times, default the number of ranks): each task completes exactly once.
+        ``timeout`` bounds each task. Returns a ``TaskResults`` (values in item order); raises
+        ``TaskFailed`` (with ``.results``) when a task raised. See ``labkit.runs.tasks``.
+        """
+        from labkit.runs.tasks import run_tasks
+
+        return run_tasks(self.session, fn, items, timeout=timeout, retries=retries, live=live)
+
+    def ensemble(self, model: str = "gpt", members: int = 4, steps: int = 30, vary: str = "seed",
+                 combine: str = "mean", **settings):
+        """Train ``members`` models apart, one per task on the work-stealing queue, and combine them.
+
+        ``vary``: "seed" (own initial weights) or "lr" (learning rates spread around ``lr``);
+        ``combine``: "mean" (averaged probabilities) or "vote". Settings: lr, seed, global_batch,
+        heldout_batches, optimizer, model_settings, timeout, retries. Returns an ``EnsembleReport``:
+        each member's held-out score against the ensemble's. See ``labkit.runs.ensemble``.
+        """
+        from labkit.runs.ensemble import run_ensemble
+
+        return run_ensemble(self.session, model, members, steps, vary, combine, **settings)
 
     # -- training ---------------------------------------------------------
 

@@ -6,6 +6,7 @@
     %lab train --strategy fsdp --model gpt --steps 50 [--verify] [--dashboard]
                               train a zoo model under a strategy (see Lab.train)
     %lab slow 2 30ms          make rank 2 a straggler (off to undo)
+    %lab link 100Mbit 20ms    a simulated slow network between the ranks (off to undo; alone: show it)
     %lab seed 42 [--same]     seed every rank: 42 + rank (or 42 everywhere)
     %lab run train.py --epochs 2   run a torchrun-style script, unmodified, on every rank
     %lab bench allreduce      time a collective over message sizes
@@ -29,6 +30,8 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 
 from labkit.lab import Lab
+from labkit.queue_magics import ensemble_command, tasks_command
+from labkit.runs.link import link_command
 from labkit.spec.mesh import MeshSpec
 from labkit.strategies.catalog import CATALOG, settings_by_name
 from labkit.units import parse_duration, positive_seconds, power_of_two_range
@@ -167,11 +170,14 @@ class LabMagics(Magics):
             [--precision bf16] [--tf32] [--peak-tflops T]
             [--dashboard]   (live dashboard, runs in the background; returns the run)
         %lab slow RANK 30ms | %lab slow RANK off      (a straggler on demand)
+        %lab link [100Mbit] [20ms] | %lab link off | %lab link   (a simulated slow network; alone: show it)
         %lab seed S [--same]    seed torch, numpy, random on every rank: S + rank (S everywhere with --same)
         %lab run [--ranks 0,2] [--timeout S] script.py [args ...]   a torchrun-style script as __main__
         %lab bench allreduce|all_gather|reduce_scatter|broadcast [--sizes 1KB:16MB] [--iters N]
         %lab checkpoint save|load PATH   save or load the ranks' training state (torch.distributed.checkpoint)
         %lab kill RANK | %lab heal      SIGKILL a rank; replace what died and go on from the last checkpoint
+        %lab tasks FN ITEMS [--timeout S]   FN(item) for each item, on whichever rank is idle
+        %lab ensemble [--model gpt] [--members 4] [--vary seed|lr] [--combine mean|vote]
         %lab status | %lab timeout S | %lab restart | %lab stop
         %%lab [--ranks 0,2] [--timeout S]       run the cell on the ranks
         """
@@ -190,12 +196,15 @@ class LabMagics(Magics):
             "timeout": self.timeout,
             "train": self.train,
             "slow": self.slow,
+            "link": lambda words: link_command(self._require_lab(), words),
             "seed": self.seed,
             "run": self.run_script,
             "bench": self.bench,
             "checkpoint": self.checkpoint,
             "kill": self.kill,
             "heal": self.heal,
+            "tasks": lambda words: tasks_command(self._require_lab(), words, self.shell.user_ns),
+            "ensemble": lambda words: ensemble_command(self._require_lab(), words),
         }
         if command not in handlers:
             raise UsageError(f"unknown %lab command {command!r}; use one of: {', '.join(handlers)}")

@@ -75,6 +75,8 @@ class Session:
         self.mesh_spec: MeshSpec | None = None
         self.started_seconds: float | None = None
         self.control = ControlRequests()
+        # The simulated slow link (a spec.link.LinkSpec, lab.link), kept like the mesh: every group formed gets it.
+        self.link = None
         self.last_training: TrainingRecord | None = None  # what the ranks' TrainState holds
         self.interrupted = None  # the last run, when it failed before its end
         self._holder = None  # a long run that owns the ranks (a TrainingRun)
@@ -278,6 +280,8 @@ class Session:
         limit = self.start_timeout
         port = self.call([0], entry.open_store, (limit,), limit)[0]
         self.call(range(self.world_size), entry.join_group, (port, self.generation, limit), limit)
+        if self.link is not None:  # replaced ranks get it too; the others put it on their new world group
+            self.call(range(self.world_size), entry.set_link, (self.link,), limit)
         if self.mesh_spec is not None:
             self.build_mesh(self.mesh_spec)
 

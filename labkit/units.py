@@ -8,6 +8,13 @@ same bytes in ``lab.train(max_memory=...)``, ``%lab train --max-memory`` and
 range's ends are rounded to the nearest one (``4KB:4MB`` is 4 KiB to 4 MiB).
 
 Durations: ``30ms``, ``0.5s`` or a plain number of seconds; ``off`` means none.
+
+A simulated link (``lab.link``) is written as networks are: bandwidth in bits
+per second with decimal prefixes (``100Mbit``, ``1Gbit``, ``100 Mbit/s``,
+``500kbit``, ``100Mbps``; a lowercase ``b`` is a bit) or in bytes per second
+with a capital ``B`` (``10MB/s`` = 80 Mbit/s, ``1MiB/s`` binary); latency with
+its unit always (``20ms``, ``0.5s``, ``250us``), since a bare ``20`` could be
+milliseconds or seconds.
 """
 
 from __future__ import annotations
@@ -95,3 +102,62 @@ def positive_seconds(name: str, value) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
         raise ValueError(f"{name} must be a positive, finite number of seconds, got {value!r}")
     return float(value)
+
+
+_RATE = re.compile(r"^\s*(-?\d+(?:\.\d*)?|-?\.\d+)\s*([kmgt]?)(i?)(bits?|bytes?|b)\s*(/\s*s|ps)?\s*$", re.IGNORECASE)
+_PREFIX = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_BINARY_PREFIX = {"k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+BANDWIDTH_EXAMPLE = "100Mbit (bits per second; also 1Gbit, 500kbit, 100 Mbit/s) or 10MB/s (bytes per second)"
+_LATENCY = re.compile(r"^\s*(-?\d+(?:\.\d*)?|-?\.\d+)\s*(s|ms|us|\u00b5s|\u03bcs|ns)\s*$", re.IGNORECASE)
+_LATENCY_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "\u00b5s": 1e-6, "\u03bcs": 1e-6, "ns": 1e-9}
+LATENCY_EXAMPLE = "20ms, 0.5s or 250us"
+
+
+def parse_bandwidth(value) -> float:
+    """``"100Mbit"`` -> 1e8 bits per second; ``"10MB/s"`` -> 8e7. Refuses numbers without a unit."""
+    match = _RATE.match(value) if isinstance(value, str) else None
+    if not match:
+        # A bare number could be bits or bytes per second, a factor of 8 apart: make it explicit.
+        raise ValueError(f"write the bandwidth with its unit, like {BANDWIDTH_EXAMPLE}; got {value!r}")
+    number, prefix, binary, unit, _ = match.groups()
+    if binary and not prefix:
+        raise ValueError(f"write the bandwidth like {BANDWIDTH_EXAMPLE}; got {value!r}")
+    # "b" alone is a bit only in lower case (Mb, Mbps); "B" is a byte (MB/s), as networks write them.
+    per_byte = unit.lower().startswith("byte") or unit == "B"
+    scale = _BINARY_PREFIX[prefix.lower()] if binary else _PREFIX[prefix.lower()]
+    bits = float(number) * scale * (8 if per_byte else 1)
+    if not 0 < bits < math.inf:
+        raise ValueError(f"a bandwidth must be above zero (a link that carries nothing never finishes), "
+                         f"like {BANDWIDTH_EXAMPLE}; got {value!r}")
+    return bits
+
+
+def parse_latency(value) -> float:
+    """``"20ms"`` -> 0.02 s; a number is seconds, text needs its unit (``20`` is refused)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        seconds = float(value)
+    else:
+        match = _LATENCY.match(value) if isinstance(value, str) else None
+        if not match:
+            raise ValueError(f"write the latency with its unit, like {LATENCY_EXAMPLE}; got {value!r}")
+        seconds = float(match.group(1)) * _LATENCY_UNITS[match.group(2).lower()]
+    if not 0 <= seconds < math.inf:
+        raise ValueError(f"a latency is a finite time >= 0, like {LATENCY_EXAMPLE}; got {value!r}")
+    return seconds
+
+
+def format_bandwidth(bits: float) -> str:
+    """Bits per second in decimal units: ``format_bandwidth(1e8)`` -> ``'100 Mbit/s'``."""
+    for unit, scale in (("Tbit/s", 10**12), ("Gbit/s", 10**9), ("Mbit/s", 10**6), ("kbit/s", 10**3)):
+        if bits >= scale:
+            return f"{bits / scale:.4g} {unit}"
+    return f"{bits:.4g} bit/s"
+
+
+def format_seconds(seconds: float) -> str:
+    """A short time in the unit that reads best: 0.02 -> ``'20 ms'``, 2.5e-4 -> ``'250 \u00b5s'``."""
+    if seconds >= 1 or seconds == 0:
+        return f"{seconds:.4g} s"
+    if seconds >= 1e-3:
+        return f"{seconds * 1e3:.4g} ms"
+    return f"{seconds * 1e6:.4g} \u00b5s"

@@ -74,3 +74,11 @@ def test_ranks_compare_only_with_their_pipeline_stage():
     alone = straggler_scores({0: [0.05] * 10, 1: [0.01] * 10}, {0: 0, 1: 1})
     assert alone == {0: (1.0, False), 1: (1.0, False)}
     assert straggler_scores({0: [0.01] * 3, 1: [0.05] * 3}, {}) == {0: (1.0, False), 1: (1.0, False)}
+
+
+def test_bytes_per_rank_show_who_carries_the_traffic():
+    table = MetricsTable(3, global_batch=16)
+    for step in range(4):
+        table.merge_rows([row(0, step, sent={"send": 3000, "recv": 3000}), row(1, step, sent={"send": 1000,
+                          "recv": 1000}), row(2, step, sent={"send": 1000, "recv": 1000})])
+    assert table.bytes_per_rank() == {0: 6000, 1: 2000, 2: 2000}

@@ -4,8 +4,10 @@ What is saved: the model and optimizer state as each rank holds them (sharded
 DTensors under FSDP and TP, a stage's layers under PP, one copy under DDP), by
 their unwrapped parameter names (``get_state_dict``), so a checkpoint loads into
 another number of ranks or another sharding and DCP reshards it; the step (which
-is also the data position); every rank's random state; and, from rank 0, a
-``labkit.json`` with the run's settings, written last.
+is also the data position); every rank's random state; what a strategy keeps of
+its own (``ParallelModel.extra_state``: DiLoCo's global copy, outer momentum and
+each replica's place in its round); and, from rank 0, a ``labkit.json`` with the
+run's settings, written last.
 
 Atomic: every rank writes into a ``.partial-*`` directory beside the target; once
 all have written, rank 0 writes ``labkit.json`` and renames the directory into
@@ -34,9 +36,26 @@ def _rng_file(directory: str, rank: int) -> str:
     return os.path.join(directory, f"random-state-rank{rank}.pt")
 
 
-def _app_state(state: TrainState) -> dict:
+def _app_state(state: TrainState, loading: bool = False) -> dict:
     model, optimizer = get_state_dict(state.model, state.optimizer)
-    return {"model": model, "optimizer": optimizer}
+    app = {"model": model, "optimizer": optimizer}
+    for name, extra in state.parallel.extra_state.items():
+        # A part's own state (DiLoCo's outer step). Saving, it may change what the model and optimizer
+        # entries hold; loading, it builds its entry on a copy, so the template loads what was saved.
+        app[name] = extra.state_dict(dict(app) if loading else app)
+    return app
+
+
+def _found_only(directory: str, app: dict, extras) -> dict:
+    """``app`` without the parts of each extra entry the checkpoint lacks (saved under another strategy
+    or replica count): DCP refuses to load a key it does not find."""
+    saved = dcp.FileSystemReader(directory).read_metadata().state_dict_metadata
+    found = {".".join(key.split(".")[:2]) for key in saved}  # entry.part: "diloco.momentum"
+    for name in extras:
+        kept = {key: value for key, value in app.pop(name).items() if f"{name}.{key}" in found}
+        if kept:
+            app[name] = kept
+    return app
 
 
 def save(state: TrainState, target: str, partial: str, meta: dict) -> str:
@@ -63,9 +82,12 @@ def save(state: TrainState, target: str, partial: str, meta: dict) -> str:
 
 def load(state: TrainState, directory: str, step: int, same_world: bool) -> int:
     """Load a checkpoint into ``state`` (built for the checkpoint's settings); return its step."""
-    app = _app_state(state)
+    extras = state.parallel.extra_state
+    app = _found_only(directory, _app_state(state, loading=True), extras)
     dcp.load(app, checkpoint_id=directory)
     set_state_dict(state.model, state.optimizer, model_state_dict=app["model"], optim_state_dict=app["optimizer"])
+    for name, extra in extras.items():  # after the model: an extra entry may build on the loaded parameters
+        extra.load_state_dict(app.get(name), state.optimizer)
     state.step = step
     rng = _rng_file(directory, dist.get_rank())
     if same_world and os.path.exists(rng):  # on other ranks there is no one state to continue

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from labkit.rank.recorder import recorder_for
+from labkit.rank.slow_link import LinkState, QuietRecorder
 from labkit.rank.timed_group import instrument_mesh
 
 
@@ -25,6 +26,7 @@ class RankContext:
         self.backend = backend
         self.device = device
         self.recorder = recorder_for(rank, device)
+        self.link = LinkState()  # the simulated slow link (lab.link), off until the notebook sets one
         self.control_path = control_path
         self.generation = 0
         self.meshes: dict = {}  # (shape, names, instrumented) -> DeviceMesh of this process group
@@ -34,7 +36,8 @@ class RankContext:
         """A device mesh of this shape, built once per process group (building one creates groups).
 
         Instrumented meshes report every collective over their groups to the
-        rank's recorder; plain ones exist to measure what that costs.
+        rank's recorder; plain ones exist to measure what that costs. Both cross
+        the simulated link when one is set (``slow_link``).
         """
         key = (tuple(shape), tuple(names), instrumented)
         if key not in self.meshes:
@@ -42,7 +45,9 @@ class RankContext:
 
             mesh = init_device_mesh(self.device.type, key[0], mesh_dim_names=key[1])
             if instrumented:
-                instrument_mesh(mesh, self.recorder)
+                instrument_mesh(mesh, self.recorder, self.link)
+            elif self.link.active:  # no instruments, but the link must still slow the run's collectives
+                instrument_mesh(mesh, QuietRecorder(), self.link)
             self.meshes[key] = mesh
         return self.meshes[key]
 

@@ -74,6 +74,20 @@ def call(fn, args, kwargs, sources: dict | None, timeout_seconds: float) -> dict
     return this_rank().call(fn, args, kwargs, sources, timeout_seconds)
 
 
+def run_task(fn, item, sources: dict | None, timeout_seconds: float) -> dict:
+    """One task of a work-stealing queue (``lab.tasks``): ``fn(item)``, guarded like any call.
+
+    Sent through ipyparallel's load-balanced view, so whichever rank is idle runs it."""
+    return this_rank().call(fn, (item,), {}, sources, timeout_seconds)
+
+
+def train_member(spec: dict) -> dict:
+    """One ensemble member, trained alone on this rank (a task of ``lab.ensemble``)."""
+    from labkit.rank.ensemble import train_member as train
+
+    return train(spec)
+
+
 def run_script(source: str, path: str, args: list[str], timeout_seconds: float) -> dict:
     return this_rank().run_script(source, path, args, timeout_seconds)
 
@@ -85,6 +99,13 @@ def seed(value: int, same: bool) -> int:
     used = value if same else value + this_rank().rank
     seed_all(used)
     return used
+
+
+def set_link(spec) -> str:
+    """Give this rank's collectives the simulated link ``spec`` (a ``spec.link.LinkSpec``; None: off)."""
+    from labkit.rank.slow_link import apply_link
+
+    return apply_link(this_rank(), spec)
 
 
 def train(config, timeout_seconds: float) -> dict:

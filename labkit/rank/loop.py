@@ -179,6 +179,7 @@ def _train(config: TrainConfig, runtime) -> dict:
         index == 0 for name, index in coordinate.items() if name not in ("pp", *DATA_AXES))
     recorder = runtime.recorder
     recorder.clear()  # rows and timeline describe this run only
+    parallel.strategy_results.clear()  # and so do what the strategy measured
     if config.instruments:
         parallel.backward_watch = recorder.backward_watch
         recorder.watch_module_waits(parallel.module)
@@ -233,6 +234,7 @@ def _train(config: TrainConfig, runtime) -> dict:
         "timeline": list(recorder.timeline) if config.instruments else [],
         "device_name": device_name(device),
         "checkpoints": saved,
+        "strategy_results": dict(parallel.strategy_results),
     }
     if config.verify:
         from labkit.rank.verify import compare_with_reference

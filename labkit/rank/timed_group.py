@@ -81,6 +81,9 @@ class TimedWork(dist.Work):
     def result(self):
         return self.inner.result()
 
+    def _source_rank(self) -> int:  # a receive from any source: who sent (torch's recv asks the work)
+        return self.inner._source_rank()
+
 
 class TimedGroup(dist.ProcessGroup):
     """A process group that forwards every collective to ``inner`` and reports it to ``recorder``.
@@ -89,13 +92,15 @@ class TimedGroup(dist.ProcessGroup):
     issued, ``recorder.completed(kind, nbytes, token)`` when it completes (from
     the work's completion callback, or after ``wait`` for send/recv); waits go
     through ``recorder.waiting()``. ``instruments.StepRecorder`` keeps CPU
-    times, ``gpu_instruments.CudaStepRecorder`` CUDA events.
+    times, ``gpu_instruments.CudaStepRecorder`` CUDA events. ``link``, the
+    rank's ``slow_link.LinkState``, may complete works later, as a slow network would.
     """
 
-    def __init__(self, inner: dist.ProcessGroup, recorder) -> None:
+    def __init__(self, inner: dist.ProcessGroup, recorder, link=None) -> None:
         super().__init__(inner.rank(), inner.size())
         self.inner = inner
         self.recorder = recorder
+        self.link = link
         # A group may have one backend per device type ("cpu:gloo,cuda:nccl"):
         # register each under its own type, and make the GPU's the default.
         default = None
@@ -112,6 +117,10 @@ class TimedGroup(dist.ProcessGroup):
         recorder = self.recorder
         token = recorder.issued(_device_type(tensors))
         work = call(tensors, *args, **kwargs)
+        if self.link is not None:  # a simulated slow link: the work completes when the link has carried it
+            slowed = self.link.slow(work, kind, nbytes, self.size(), recorder, token, tensors)
+            if slowed is not None:
+                return slowed
         try:
             future = work.get_future()
         except RuntimeError:  # p2p work has no future: its wait() marks completion
@@ -172,6 +181,9 @@ class TimedGroup(dist.ProcessGroup):
     def recv(self, tensors, *args, **kwargs):
         return self._issue("recv", _bytes(tensors), self.inner.recv, tensors, *args, **kwargs)
 
+    def recv_anysource(self, tensors, *args, **kwargs):
+        return self._issue("recv", _bytes(tensors), self.inner.recv_anysource, tensors, *args, **kwargs)
+
     def barrier(self, *args, **kwargs):
         return self._issue("barrier", 0, lambda _: self.inner.barrier(*args, **kwargs), None)
 
@@ -192,10 +204,12 @@ def _backend_type(group):
     )
 
 
-def wrap_group(inner: dist.ProcessGroup, recorder) -> TimedGroup:
-    """Put a TimedGroup in ``inner``'s place: same name, same ranks, same store."""
+def wrap_group(inner: dist.ProcessGroup, recorder, link=None, by_name: bool = True) -> TimedGroup:
+    """Put a TimedGroup in ``inner``'s place: same name, same ranks, same store.
+
+    ``by_name=False`` leaves lookups by name (functional collectives) with whatever holds the name."""
     name = inner.group_name
-    timed = TimedGroup(inner, recorder)
+    timed = TimedGroup(inner, recorder, link)
     world = c10d._world
     world.pg_map[timed] = world.pg_map[inner]
     world.pg_names[timed] = world.pg_names[inner]
@@ -208,16 +222,20 @@ def wrap_group(inner: dist.ProcessGroup, recorder) -> TimedGroup:
         world.tags_to_pg.setdefault(tag, []).append(timed)
     timed._set_group_name(name)
     timed._set_group_desc(inner.group_desc)
-    _unregister_process_group(name)
-    _register_process_group(name, timed)
+    if by_name:
+        _unregister_process_group(name)
+        _register_process_group(name, timed)
     return timed
 
 
-def instrument_mesh(mesh, recorder) -> None:
-    """Make every collective over ``mesh``'s groups reach ``recorder``."""
+def instrument_mesh(mesh, recorder, link=None) -> None:
+    """Make every collective over ``mesh``'s groups reach ``recorder`` (and cross ``link``)."""
     for name in mesh._dim_group_names:
         group = _resolve_process_group(name)
         if not isinstance(group, TimedGroup):
-            timed = wrap_group(group, recorder)
+            timed = wrap_group(group, recorder, link)
             if name in getattr(mesh, "_pg_registry", {}):
                 mesh._pg_registry[name] = timed
+        elif getattr(group.recorder, "quiet", False):
+            # Only slowed so far (slow_link, a run without instruments); meshes share the world group's name.
+            group.recorder = recorder

@@ -4,7 +4,9 @@ Runs on every rank after a run with ``verify=True``. The rank trains the same
 model on the same global batches in plain single-process PyTorch, then compares
 each parameter it holds, gathered whole (``full_tensor`` for sharded ones), with
 the reference: the relative difference ``||a - b|| / ||b||`` of the whole
-tensor, the worst over parameters and ranks.
+tensor, the worst over parameters and ranks. A strategy that is not
+one-process training by design (DiLoCo) supplies its own single-process
+reference (``reference_for``), and the same comparison follows.
 
 What counts as equal. Float32 sums in another order round differently, and a
 distributed run sums gradients in another order by construction. Usually that
@@ -23,6 +25,8 @@ applied twice) lands orders of magnitude above.
 
 from __future__ import annotations
 
+import functools
+import importlib
 import logging
 
 import torch
@@ -34,6 +38,7 @@ from labkit.zoo.models import build_model
 from labkit.rank.loop import control_tensor, make_optimizer
 from labkit.spec.train_config import TrainConfig
 from labkit.spec.schema import Verdict, equivalence_bound
+from labkit.strategies.catalog import strategy
 
 
 @torch.enable_grad()
@@ -58,6 +63,21 @@ def reference_parameters(config: TrainConfig, device, steps: int, chunks: int = 
     return initial, {name: p.detach() for name, p in model.named_parameters()}
 
 
+def reference_for(config: TrainConfig, parallel):
+    """``(config, device, steps, chunks) -> (initial, final)``: the run's single-process reference.
+
+    A strategy that is not one-process training (DiLoCo's replicas drift apart
+    between outer steps) offers its own as ``reference_parameters`` in its
+    module, given this rank's share of the data (which replica it is); else
+    plain training on the whole batch.
+    """
+    for part in config.parts:
+        own = getattr(importlib.import_module(strategy(part).module_name), "reference_parameters", None)
+        if own is not None:
+            return functools.partial(own, data_share=parallel.data_share)
+    return reference_parameters
+
+
 def relative_difference(value: torch.Tensor, expected: torch.Tensor) -> float:
     return float((value - expected).norm() / expected.norm().clamp_min(1e-30))
 
@@ -71,16 +91,19 @@ def resummed_chunks(config: TrainConfig) -> int:
 @torch.no_grad()
 def compare_with_reference(config: TrainConfig, parallel, device, steps: int) -> Verdict:
     """Largest relative difference to single-process training, over all parameters and ranks."""
-    initial, reference = reference_parameters(config, device, steps)
-    _, resummed = reference_parameters(config, device, steps, chunks=resummed_chunks(config))
+    reference_of = reference_for(config, parallel)
+    initial, reference = reference_of(config, device, steps)
+    _, resummed = reference_of(config, device, steps, chunks=resummed_chunks(config))
     noise = max(relative_difference(resummed[name], reference[name]) for name in reference)
     # Gathering a 2-D sharded parameter whole takes two all-gathers; torch warns
     # about that on every parameter, which is noise for a one-off comparison.
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     worst_difference, worst_name, worst_elementwise, compared = 0.0, "", 0.0, 0
+    # What this rank holds of the reference, by its own parameters' names (a parameter server's shard).
+    held = reference if parallel.reference_view is None else parallel.reference_view(reference)
     for name, parameter in parallel.named_parameters():
         whole = parameter.full_tensor() if isinstance(parameter, DTensor) else parameter.detach()
-        expected = reference[name]
+        expected = held[name]
         difference = relative_difference(whole, expected)
         # The largest single element's error, relative to the tensor's largest
         # element, is reported too (larger under AdamW, see above).

@@ -22,6 +22,7 @@ import uuid
 from labkit.rank import entry
 from labkit.spec.errors import LabConfigError
 from labkit.spec.train_config import TrainConfig, checkpoint_settings, identity_differences, resolve
+from labkit.strategies.catalog import checkpoint_refusal
 
 META_FILE = "labkit.json"  # the rank side writes it last: its presence marks a complete checkpoint
 STEP_PATTERN = "step-*"
@@ -66,6 +67,8 @@ def save(session, path: str, timeout: float) -> str:
     if record is None:
         raise LabConfigError("there is no training state to save: train first (lab.train), or load a checkpoint; "
                              "a failure or restart since the last run drops the ranks' state")
+    if checkpoint_refusal(record.config.parts):
+        raise LabConfigError(f"cannot save the last run: {checkpoint_refusal(record.config.parts)}")
     target = os.path.abspath(os.path.expanduser(path))
     os.makedirs(os.path.dirname(target), exist_ok=True)
     meta = checkpoint_settings(record.config)
@@ -99,6 +102,8 @@ def load(session, path: str, timeout: float, mesh: dict | None = None, **overrid
         raise
     except (ValueError, TypeError) as error:
         raise LabConfigError(f"the checkpoint cannot be loaded that way: {error}") from None
+    if checkpoint_refusal(config.parts):
+        raise LabConfigError(f"cannot load into {config.strategy}: {checkpoint_refusal(config.parts)}")
     session.ready()
     session.execute(session.targets(None), entry.load_checkpoint,
                     (config, directory, meta["step"], same_world), timeout)

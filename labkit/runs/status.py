@@ -30,6 +30,7 @@ class LabStatus:
     timeout: float | None = None
     ranks: tuple[RankStatus, ...] = ()
     training: str | None = None
+    link: str | None = None  # the simulated slow link (lab.link), in words
 
     _COLUMNS = ("rank", "state", "pid", "engine", "device", "threads", "group", "coordinate")
 
@@ -54,6 +55,8 @@ class LabStatus:
         if not self.running:
             return f"lab stopped ({self.plan})"
         mesh = f"mesh {self.mesh}" if self.mesh else "no mesh"
+        if self.link:
+            mesh += f"; simulated link {self.link}"
         if self.training:
             return f"lab running: {self.plan}; training in the background ({self.training}); {mesh}"
         ready = sum(row.state == "ready" for row in self.ranks)
@@ -150,4 +153,5 @@ def collect_status(session, timeout: float) -> LabStatus:
         timeout=session.timeout,
         ranks=tuple(rows),
         training=training,
+        link=session.link.describe() if session.link is not None else None,
     )

@@ -23,6 +23,7 @@ from labkit.runs.budget import enforce_budget
 from labkit.spec.errors import LabConfigError, LabError
 from labkit.views.metrics import DEFAULT_THRESHOLD, MetricsTable
 from labkit.spec.train_config import TrainConfig, resolve, resume_differences, user_settings
+from labkit.strategies.catalog import role_of
 from labkit.views.train_report import TrainReport
 
 STOP_GRACE_SECONDS = 15.0
@@ -37,7 +38,10 @@ class TrainingRun:
         self.background = background
         mesh = config.mesh
         stage = mesh.names.index("pp") if "pp" in mesh.names else None
-        peers = {rank: (mesh.coordinate(rank)[stage] if stage is not None else 0) for rank in range(session.world_size)}
+        # Ranks doing the same work are compared for stragglers: one pipeline stage, one role (a parameter
+        # server's servers do other work than its workers, so neither is measured against the other).
+        peers = {rank: (mesh.coordinate(rank)[stage] if stage is not None else 0,
+                        role_of(config.parts, config, rank)) for rank in range(session.world_size)}
         self.straggler_threshold = straggler_threshold
         self.target_step = config.first_step + config.steps
         self.table = MetricsTable(session.world_size, config.global_batch, peers, threshold=straggler_threshold)

@@ -104,6 +104,7 @@ class RankResult(TypedDict, total=False):
     device_name: str
     checkpoints: list  # the checkpoint directories this run saved (checkpoint_every)
     verify: Verdict
+    strategy_results: dict  # what the strategy measured ("staleness": per applied update; "summary": a line)
 
 
 EQUIVALENCE_TOLERANCE = 1e-5  # equal: within the larger of this and NOISE_FACTOR x the run's rounding noise

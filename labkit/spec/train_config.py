@@ -19,7 +19,8 @@ import math
 from dataclasses import asdict, dataclass, field, fields, replace
 
 from labkit.spec.mesh import MeshSpec
-from labkit.strategies.catalog import DATA_AXES, axes_of, parse_strategy, settings_by_name, strategy
+from labkit.strategies.catalog import (DATA_AXES, axes_of, checkpoint_refusal, parse_strategy, settings_by_name,
+                                       strategy)
 from labkit.units import parse_bytes
 from labkit.zoo.configs import model_config
 
@@ -192,11 +193,14 @@ def resolve(world_size: int, mesh: dict | None = None, lab_mesh: MeshSpec | None
     first_error = None
     for spec, reason in candidates:
         candidate = replace(config, mesh_names=spec.names, mesh_shape=spec.shape, mesh_reason=reason)
+        filled = {}
+        for part in parts:
+            filled.update(strategy(part).defaults(candidate) if strategy(part).defaults else {})
         if candidate.micro_batches is None:
-            filled = {}
-            for part in parts:
-                filled.update(strategy(part).defaults(candidate) if strategy(part).defaults else {})
             candidate = replace(candidate, micro_batches=filled.get("micro_batches", 1))
+        # A strategy's other defaults fill only the general settings not given (ps: a batch its workers divide).
+        candidate = replace(candidate, **{name: value for name, value in filled.items()
+                                          if name != "micro_batches" and name not in settings})
         try:
             _check(candidate)
         except ValueError as error:
@@ -255,6 +259,8 @@ def _check(config: TrainConfig) -> None:
         )
     if config.checkpoint_every is not None:
         _positive_int("checkpoint_every", config.checkpoint_every)
+        if checkpoint_refusal(config.parts):
+            raise ValueError(f"checkpoint_every: {checkpoint_refusal(config.parts)}")
         if not isinstance(config.checkpoint_dir, str) or not config.checkpoint_dir:
             raise ValueError("checkpoint_every needs checkpoint_dir, the directory the checkpoints go in")
     elif config.checkpoint_dir is not None and not isinstance(config.checkpoint_dir, str):

@@ -83,13 +83,15 @@ class Strategy:
     shards_memory: bool = False  # divides parameters, gradients and optimizer state over its axis
     # Torch-free checks of a resolved config using this strategy; raise ValueError with the reason.
     check: Callable[[Any], None] | None = None
-    # Defaults that depend on the mesh (e.g. pipeline microbatches), filled before the checks.
+    # Defaults that depend on the mesh (pipeline microbatches; a batch the ps workers divide), filled
+    # before the checks for the general settings the user did not give.
     defaults: Callable[[Any], dict] | None = None
     # Each rank's role under this strategy (None: every rank trains the same way).
     roles: Callable[[Any, int], str] | None = None
     # Into how many equal parts the global batch is split (None: the product of the data axes).
     data_parts: Callable[[Any], int] | None = None
     alone: bool = False  # runs by itself only, never in a composition (its ranks have roles of their own)
+    no_checkpoints: str = ""  # why its training state cannot be checkpointed yet ("": it can)
     module: str = field(default="")
 
     @property
@@ -106,6 +108,30 @@ def _check_pp(config) -> None:
 
 def _check_tp(config) -> None:
     config.model_config.check_tp(config.axis("tp"), config.sequence_parallel, stages=config.axis("pp"))
+
+
+def _ps_workers(config) -> int:
+    # At least 1, so the general checks that divide by it run before _check_ps refuses a run without workers.
+    return max(1, config.axis("dp") - config.servers)
+
+
+def _ps_defaults(config) -> dict:
+    # The general default batch (32) rarely splits over 3 workers: without a batch given, the nearest
+    # multiple of the workers (x microbatches) not above it, so the defaults alone run (32 -> 30 for 3).
+    unit = _ps_workers(config) * (config.micro_batches or 1)
+    return {"global_batch": max(unit, config.global_batch // unit * unit)}
+
+
+def _check_ps(config) -> None:
+    ranks = config.axis("dp")
+    if config.servers >= ranks:
+        raise ValueError(f"ps with servers={config.servers} on {ranks} ranks leaves no worker: ranks "
+                         f"[0, servers) serve, the others compute gradients; use servers <= {ranks - 1}")
+    if config.verify and config.staleness:
+        raise ValueError(f"verify=True compares with single-process training, which ps with staleness="
+                         f"{config.staleness} cannot equal: asynchronous updates are applied in the order they "
+                         f"arrive, so there is nothing deterministic to compare with. Verify with staleness=0 "
+                         f"(synchronous), or train without verify")
 
 
 CATALOG: dict[str, Strategy] = {
@@ -132,6 +158,28 @@ CATALOG: dict[str, Strategy] = {
             defaults=lambda config: {"micro_batches": config.axis("pp")},
             summary="pipeline parallel: stages of layers, microbatches in flight (torch.distributed.pipelining)",
             settings=(Setting("schedule", "1f1b", "pipeline schedule", choices=("gpipe", "1f1b")),),
+        ),
+        Strategy(
+            "ps", axis="dp", order=2, alone=True, check=_check_ps, defaults=_ps_defaults, data_parts=_ps_workers,
+            roles=lambda config, rank: "server" if rank < config.servers else "worker",
+            no_checkpoints="its state is split by role (servers hold flat shards of the weights and the "
+                           "optimizer, workers a copy of the model) and no checkpoint layout maps it back to "
+                           "parameters by name; continue a run with resume=True instead",
+            summary="parameter server: servers hold the weights and the optimizer, workers push gradients and "
+                    "pull weights (staleness > 0: asynchronous, bounded)",
+            settings=(Setting("servers", 1, "ps: ranks that hold the weights (the first ones); the rest are workers"),
+                      Setting("staleness", 0, "ps: 0 synchronous; k > 0 asynchronous, a worker at most k pushes "
+                                              "ahead of the slowest", minimum=0)),
+        ),
+        Strategy(
+            # Last (order 3): the outer step works on the final, possibly sharded, parameters.
+            "diloco", axis="replica", order=3,
+            summary="DiLoCo: replicas take inner_steps optimizer steps alone, then an outer Nesterov step on "
+                    "their averaged parameter change",
+            settings=(Setting("inner_steps", 10, "DiLoCo: inner optimizer steps between outer steps (H)"),
+                      Setting("outer_lr", 0.7, "DiLoCo: outer learning rate"),
+                      Setting("outer_momentum", 0.9, "DiLoCo: outer Nesterov momentum (0: plain SGD)",
+                              minimum=0.0, below=1.0)),
         ),
     )
 }
@@ -211,6 +259,14 @@ def compositions(world_size: int) -> tuple[str, ...]:
             if len({CATALOG[part].axis for part in parts}) == count:
                 found.append("+".join(sorted(parts, key=lambda part: (CATALOG[part].order != 2, part))))
     return tuple(found)
+
+
+def checkpoint_refusal(parts) -> str | None:
+    """Why a run of these parts cannot save or load checkpoints, in words; None when it can."""
+    for part in parts:
+        if CATALOG[part].no_checkpoints:
+            return f"{part} keeps no checkpoints yet: {CATALOG[part].no_checkpoints}"
+    return None
 
 
 def role_of(parts, config, rank: int) -> str:

@@ -6,7 +6,8 @@ lowest catalog ``order`` first: tensor parallelism shards layers, pipeline
 parallelism keeps this rank's stage, data parallelism (DDP or FSDP2) wraps what
 is left. A part may replace the model, add a gradient synchronisation to run
 after backward, wrap the optimizer step, leave work for after every part has
-applied (the pipeline's runner needs the final model), or give this rank a role.
+applied (the pipeline's runner needs the final model), give this rank a role,
+or keep state of its own that checkpoints carry (``extra_state``: DiLoCo's).
 
 The result, a ``ParallelModel``, runs one step's forward and backward for this
 rank and then the optimizer step, whatever the composition, so the training
@@ -47,7 +48,8 @@ class ParallelModel:
 
     def __init__(self, module: nn.Module, loss_fn, micro_batches: int, runner=None, grad_syncs=(),
                  autocast=contextlib.nullcontext, step_wrappers=(), role: str = "trainer",
-                 data_share: tuple[int, int] | None = (0, 1), loss_groups=(), update=None, forward=None) -> None:
+                 data_share: tuple[int, int] | None = (0, 1), loss_groups=(), update=None, forward=None,
+                 extra_state=None, strategy_results=None, reference_view=None) -> None:
         self.module = module
         self.loss_fn = loss_fn
         self.micro_batches = micro_batches
@@ -60,6 +62,15 @@ class ParallelModel:
         self.loss_groups = list(loss_groups)  # (group, size): the progress line averages the loss over these
         self.update = update  # replaces optimizer.step() (a parameter server's push and pull); None: step
         self.forward = forward  # replaces forward and backward for a rank with another role; None: train
+        # A part's own state that checkpoints carry beside model and optimizer (DiLoCo's outer step):
+        # name -> object with state_dict(app) and load_state_dict(entry, optimizer), see rank/checkpoint.
+        self.extra_state = dict(extra_state or {})
+        # What a part measured during the run, returned with the rank's result (the loop empties it at each
+        # run's start, so it is kept by reference): e.g. a parameter server's staleness per update.
+        self.strategy_results = strategy_results if strategy_results is not None else {}
+        # For verify: given the single-process parameters by name, what this rank holds of them under the
+        # names of its own parameters (a parameter server's shard is a slice of them); None: the same names.
+        self.reference_view = reference_view
         self.backward_watch = lambda loss: contextlib.nullcontext()
 
     @property
@@ -153,6 +164,9 @@ class Composition:
         self.loss_groups: list = []  # (group, size) pairs the progress line's loss is averaged over
         self.update = None  # replaces optimizer.step() when set (called with the optimizer)
         self.forward = None  # replaces forward and backward when set (called with inputs and targets)
+        self.extra_state: dict = {}  # name -> a part's own state for checkpoints (see ParallelModel)
+        self.strategy_results: dict = {}  # what a part measured, returned with the rank's result
+        self.reference_view = None  # what this rank holds of single-process parameters (see ParallelModel)
 
     def uses(self, part: str) -> bool:
         return part in self.parts
@@ -188,7 +202,9 @@ def parallelize(model: nn.Module, mesh, config, loss_fn, device: torch.device, b
                          grad_syncs=composition.grad_syncs, autocast=autocast,
                          step_wrappers=composition.step_wrappers, role=role_of(config.parts, config, rank),
                          data_share=composition.data_share, loss_groups=composition.loss_groups,
-                         update=composition.update, forward=composition.forward)
+                         update=composition.update, forward=composition.forward,
+                         extra_state=composition.extra_state, strategy_results=composition.strategy_results,
+                         reference_view=composition.reference_view)
 
 
 def shard_for_memory_estimate(model: nn.Module, mesh, config, backend: str) -> nn.Module:

@@ -2,7 +2,8 @@
 
 The figure is made once (Agg canvas, no pyplot, so any thread may draw it) with
 four panels: throughput per rank and in total; each rank's step split into
-compute and exposed communication; communication time and bytes by collective;
+compute and exposed communication, with the bytes it moved per step; communication
+time and bytes by collective;
 the loss. Injected slowdowns are marked on the time axes, flagged stragglers in
 red. ``update`` only moves data into existing artists and re-renders the image, at
 most ``max_rate`` times a second; the picture goes into an ``ipywidgets.Image``.
@@ -177,6 +178,11 @@ class Dashboard:
         self._split.legend(
             handles=[Patch(color=COMPUTE, label="compute"), Patch(color=WAITING, label="exposed communication")],
             fontsize=7, loc="upper center", ncol=2, frameon=False)
+        # Each rank's traffic per step, at the foot of its bar (a parameter server's stands out).
+        self._traffic_labels = [
+            self._split.text(rank, 0, "", ha="center", va="bottom", fontsize=7, color="white", animated=True)
+            for rank in ranks
+        ]
         self._straggler_marks = [
             self._split.text(rank, 0, "straggler", ha="center", va="bottom", fontsize=8, color="#cc3311",
                              animated=True, visible=False)
@@ -224,6 +230,7 @@ class Dashboard:
         rates = {rank: _within(step_span, *series) for rank, series in rates.items()}
         loss_steps, losses = _within(step_span, *table.loss())
         shares = table.split()
+        traffic = table.bytes_per_rank()
         kinds = table.by_collective()
         for event in table.slow_events():
             if event not in self._marked_events:
@@ -253,6 +260,9 @@ class Dashboard:
             mark.set_visible(rank in flagged)
             for artist in (compute_bar, waiting_bar, mark):
                 self._split.draw_artist(artist)
+        for rank, label in zip(self._rate_lines, self._traffic_labels):
+            label.set_text(format_bytes(traffic[rank]) if traffic.get(rank) else "")
+            self._split.draw_artist(label)
         for bar, label, (seconds, size) in zip(self._kind_bars, self._kind_labels, kinds.values()):
             bar.set_width(seconds * 1000)
             label.set_position((seconds * 1000, label.get_position()[1]))

@@ -157,6 +157,17 @@ class MetricsTable:
                 )
         return result
 
+    def bytes_per_rank(self) -> dict[int, float]:
+        """{rank: bytes it moved through collectives and sends per step}, mean over recent steps.
+
+        Shows who carries the traffic: under a parameter server, the servers."""
+        result = {}
+        for rank in self.ranks():
+            rows = self._recent(rank)
+            if rows:
+                result[rank] = statistics.fmean(sum(row["bytes"].values()) for row in rows)
+        return result
+
     def by_collective(self) -> dict[str, tuple[float, float]]:
         """{kind: (seconds, bytes)} per step, summed over ranks, mean over recent steps."""
         seconds, sizes = defaultdict(float), defaultdict(float)

@@ -131,6 +131,11 @@ class TrainReport:
         return max(_total(memory) for memory in self.memory)
 
     @property
+    def strategy_results(self) -> list[dict]:
+        """Per rank, in rank order: what its strategy measured (a parameter server's staleness per update)."""
+        return [r.get("strategy_results") or {} for r in self.results]
+
+    @property
     def verify(self) -> dict | None:
         return self.results[0].get("verify")
 
@@ -222,6 +227,8 @@ class TrainReport:
                 f"{NOISE_FACTOR:g} x the rounding noise {noise:.1e}); "
                 f"training moved the model {self.verify['model_moved']:.1%} from its start)"
             )
+        lines.extend(f"rank {r['rank']} ({r.get('role', 'trainer')}): {r['strategy_results']['summary']}"
+                     for r in self.results if (r.get("strategy_results") or {}).get("summary"))
         lines.extend(f"healed: {note}" for note in self.notes)
         return lines
 

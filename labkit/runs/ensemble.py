@@ -1,0 +1,164 @@
+"""Ensembles: several models trained apart, their predictions combined.
+
+``run_ensemble(session, model, members=4, steps=..., vary="seed")`` trains each
+member alone on one rank (``rank.ensemble.train_member``), through the lab's
+work-stealing queue (``runs.tasks``): an idle rank takes the next member, and a
+member whose rank dies is trained again elsewhere. The members never
+communicate while they train; the only traffic is their predictions coming
+back, which is why the seeds call ensembles the communication-light extreme.
+
+Diversity: ``vary="seed"`` gives member i the seed ``seed + i`` (its own
+initial weights); ``vary="lr"`` gives every member the same initial weights and
+learning rates spread by factors of two around ``lr``. Every member sees the
+same full data.
+
+Combining, on held-out batches nobody trained on:
+
+- the GPT predicts a next token, a classification: each member's accuracy, the
+  ensemble's by averaged probabilities (``"mean"``) and by majority vote of the
+  members' choices (``"vote"``, ties going to the class with the larger
+  averaged probability);
+- the MLP is a regression: each member's mean squared error and the averaged
+  prediction's (a vote has no meaning there and is refused).
+
+The notebook side combines with numpy only; the members' weights come back as
+numpy arrays in ``EnsembleReport.weights``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy
+
+from labkit.rank import entry
+from labkit.runs.tasks import run_tasks
+from labkit.spec.errors import LabConfigError
+from labkit.spec.train_config import OPTIMIZERS
+from labkit.zoo.configs import model_config
+
+VARIES = ("seed", "lr")
+COMBINES = ("mean", "vote")
+
+
+def member_specs(model: str, members: int, steps: int, vary: str, lr: float, seed: int, global_batch: int,
+                 heldout_batches: int, optimizer: str, model_settings: dict) -> list[dict]:
+    """What each member trains, checked before any rank works."""
+    for name, value in (("members", members), ("steps", steps), ("global_batch", global_batch),
+                        ("heldout_batches", heldout_batches)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise LabConfigError(f"{name} is a positive integer, got {value!r}")
+    if vary not in VARIES:
+        raise LabConfigError(f"vary is 'seed' (each member its own initial weights) or 'lr' (learning rates "
+                             f"spread around lr), got {vary!r}")
+    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not 0 < lr < float("inf"):
+        raise LabConfigError(f"lr is a positive learning rate, got {lr!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63 - members:
+        raise LabConfigError(f"seed is a non-negative integer, got {seed!r}")
+    if optimizer not in OPTIMIZERS:
+        raise LabConfigError(f"unknown optimizer {optimizer!r}: choose {', '.join(OPTIMIZERS)}")
+    try:
+        model_config(model, **(model_settings or {}))
+    except (TypeError, ValueError) as error:
+        raise LabConfigError(str(error)) from None
+    specs = []
+    for member in range(members):
+        spread = 2.0 ** (member - (members - 1) / 2) if vary == "lr" else 1.0
+        specs.append({
+            "member": member, "model": model, "model_settings": dict(model_settings or {}), "steps": steps,
+            "global_batch": global_batch, "heldout_batches": heldout_batches, "optimizer": optimizer,
+            "lr": float(lr) * spread, "seed": seed + member if vary == "seed" else seed, "data_seed": seed,
+        })
+    return specs
+
+
+def _accuracy(choices, targets) -> float:
+    return float((choices == targets).mean())
+
+
+def _vote(predictions: list, averaged) -> "numpy.ndarray":
+    """The class most members chose at each position; ties go to the larger averaged probability."""
+    classes = averaged.shape[-1]
+    counts = sum(numpy.eye(classes, dtype=numpy.float64)[p.argmax(-1)] for p in predictions)
+    # A tie in votes is broken by the averaged probability (always below 1, so it never outweighs a vote).
+    return (counts + averaged).argmax(-1)
+
+
+@dataclass
+class EnsembleReport:
+    """Members' scores against the ensemble's, on the same held-out data."""
+
+    model: str
+    vary: str
+    combine: str
+    members: list[dict]  # member, seed, lr, rank, final loss, held-out score
+    metric: str  # "accuracy" (higher is better) or "mse" (lower is better)
+    ensemble: dict[str, float]  # "mean" (and "vote" for a classifier) -> the ensemble's score
+    weights: list[dict] = field(default_factory=list, repr=False)
+    tasks: object = field(default=None, repr=False)
+
+    @property
+    def score(self) -> float:
+        return self.ensemble[self.combine]
+
+    @property
+    def best_member(self) -> float:
+        scores = [member["score"] for member in self.members]
+        return max(scores) if self.metric == "accuracy" else min(scores)
+
+    def _format(self, value: float) -> str:
+        return f"{value:.1%}" if self.metric == "accuracy" else f"{value:.4f}"
+
+    def __repr__(self) -> str:
+        what = "held-out accuracy" if self.metric == "accuracy" else "held-out MSE"
+        lines = [f"ensemble of {len(self.members)} {self.model} members (vary {self.vary})",
+                 f"{'member':<8}{'seed':<6}{'lr':<10}{'rank':<6}{'final loss':<12}{what}"]
+        for member in self.members:
+            lines.append(f"{member['member']:<8}{member['seed']:<6}{member['lr']:<10.3g}{member['rank']:<6}"
+                         f"{member['loss']:<12.4f}{self._format(member['score'])}")
+        names = {"mean": "averaged probabilities" if self.metric == "accuracy" else "averaged prediction",
+                 "vote": "majority vote"}
+        for how, value in self.ensemble.items():
+            lines.append(f"ensemble ({names[how]}): {self._format(value)}")
+        lines.append(f"best single member: {self._format(self.best_member)}")
+        return "\n".join(lines)
+
+
+def combine_members(results: list[dict], model: str, vary: str, combine: str, tasks=None) -> EnsembleReport:
+    """Score every member and the ensemble on the held-out batches (numpy only)."""
+    results = sorted(results, key=lambda result: result["member"])
+    targets = results[0]["targets"]
+    predictions = [result["predictions"] for result in results]
+    averaged = sum(predictions) / len(predictions)
+    members = []
+    for result, prediction in zip(results, predictions):
+        if model == "gpt":
+            score = _accuracy(prediction.argmax(-1), targets)
+        else:
+            score = float(((prediction - targets) ** 2).mean())
+        members.append({"member": result["member"], "seed": result["seed"], "lr": result["lr"],
+                        "rank": result["rank"], "loss": result["losses"][-1], "score": score})
+    if model == "gpt":
+        ensemble = {"mean": _accuracy(averaged.argmax(-1), targets),
+                    "vote": _accuracy(_vote(predictions, averaged), targets)}
+    else:
+        ensemble = {"mean": float(((averaged - targets) ** 2).mean())}
+    return EnsembleReport(model, vary, combine, members, "accuracy" if model == "gpt" else "mse", ensemble,
+                          weights=[result["weights"] for result in results], tasks=tasks)
+
+
+def run_ensemble(session, model: str = "gpt", members: int = 4, steps: int = 30, vary: str = "seed",
+                 combine: str = "mean", lr: float = 3e-3, seed: int = 0, global_batch: int = 32,
+                 heldout_batches: int = 4, optimizer: str = "adamw", model_settings: dict | None = None,
+                 timeout: float | None = None, retries: int | None = None, live: bool | None = None
+                 ) -> EnsembleReport:
+    """Train ``members`` models apart on the lab's ranks and combine them; see the module docstring."""
+    if combine not in COMBINES:
+        raise LabConfigError(f"combine is 'mean' (averaged probabilities) or 'vote' (majority), got {combine!r}")
+    if model == "mlp" and combine == "vote":
+        raise LabConfigError("the MLP is a regression: there is nothing to vote on. Use combine='mean', "
+                             "or model='gpt' (next-token classification)")
+    specs = member_specs(model, members, steps, vary, lr, seed, global_batch, heldout_batches, optimizer,
+                         model_settings or {})
+    tasks = run_tasks(session, entry.train_member, specs, timeout=timeout, retries=retries, live=live)
+    return combine_members(tasks.values, model, vary, combine, tasks)

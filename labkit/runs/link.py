@@ -1,0 +1,82 @@
+"""``lab.link`` and ``%lab link``: set, clear and show the simulated slow link between the ranks.
+
+The setting is checked here, before anything is sent (``spec.link.LinkSpec``
+parses it and holds the model). It then lives in two places that the session
+keeps together: ``session.link`` in the notebook, which every process group the
+session forms hands to its ranks (so a rank replaced after a failure, or a lab
+restarted, gets the same link), and each rank's ``LinkState``
+(``labkit.rank.slow_link``), which delays its collectives. It is sent to idle
+ranks only: a training run in progress keeps the link it started with.
+"""
+
+from __future__ import annotations
+
+import re
+
+from labkit.rank import entry
+from labkit.spec.errors import LabConfigError
+from labkit.spec.link import OFF_WORDS, LinkSpec
+
+# A word that is only a number, and a latency's unit (anything else with a unit is a bandwidth).
+_NUMBER = re.compile(r"^-?(\d+(\.\d*)?|\.\d+)$")
+_LATENCY_UNIT = re.compile(r"^-?(\d+(\.\d*)?|\.\d+)\s*(s|ms|us|\u00b5s|\u03bcs|ns)$", re.IGNORECASE)
+LINK_USAGE = "write %lab link 100Mbit 20ms (bandwidth, latency, either may be left out), %lab link off, or %lab link"
+
+
+def set_link(session, bandwidth=..., latency=...) -> LinkSpec | None:
+    """Give every rank the link (``...`` for both: change nothing); return the link now in place."""
+    if bandwidth is ... and latency is ...:
+        return session.link
+    spec = LinkSpec.parse(None if bandwidth is ... else bandwidth, None if latency is ... else latency)
+    if session.running:
+        session.ready()  # idle ranks, broken ones replaced, before the setting changes
+    session.link = spec  # first: if a rank fails on the way, the group formed next gives it the link
+    if session.running:
+        session.call(range(session.world_size), entry.set_link, (spec,), session.start_timeout)
+    return spec
+
+
+def describe(spec: LinkSpec | None, world_size: int) -> str:
+    """The link in a sentence, with what it does to one all-reduce on this lab."""
+    if spec is None:
+        return "no simulated link: collectives run at this machine's speed"
+    return f"{spec}; {spec.example(world_size)}"
+
+
+def parse_words(words: list[str]) -> tuple:
+    """``%lab link``'s words -> (bandwidth, latency) for ``set_link``; ``(..., ...)`` for none (show)."""
+    if not words:
+        return ..., ...
+    if len(words) == 1 and words[0].lower() in OFF_WORDS:
+        return None, None
+    tokens, pending = [], None
+    for word in words:  # "100 Mbit/s" and "20 ms" arrive as two words each
+        if pending is not None:
+            if _NUMBER.match(word):
+                raise LabConfigError(f"{pending!r} needs its unit, e.g. {pending}ms (latency) or "
+                                     f"{pending}Mbit (bandwidth): {LINK_USAGE}")
+            tokens.append(pending + word)
+            pending = None
+        elif _NUMBER.match(word):
+            pending = word
+        else:
+            tokens.append(word)
+    if pending is not None:
+        raise LabConfigError(f"{pending!r} needs its unit, e.g. {pending}ms (latency) or {pending}Mbit "
+                             f"(bandwidth): {LINK_USAGE}")
+    latencies = [token for token in tokens if _LATENCY_UNIT.match(token)]
+    bandwidths = [token for token in tokens if not _LATENCY_UNIT.match(token)]
+    if len(latencies) > 1 or len(bandwidths) > 1:
+        raise LabConfigError(f"give at most one bandwidth and one latency, got {' '.join(words)!r}: {LINK_USAGE}")
+    return (bandwidths[0] if bandwidths else None), (latencies[0] if latencies else None)
+
+
+def link_command(lab, words: list[str]) -> None:
+    """``%lab link [BANDWIDTH] [LATENCY] | off``: set it (or, alone, show it) and say what it does."""
+    from IPython.core.error import UsageError
+
+    try:
+        spec = lab.link(*parse_words(words))
+    except LabConfigError as error:
+        raise UsageError(f"%lab link: {error}") from None
+    print(describe(spec, lab.world_size))

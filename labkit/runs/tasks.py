@@ -1,0 +1,344 @@
+"""A work-stealing queue over the lab's ranks: independent tasks, each done exactly once.
+
+``run_tasks(session, fn, items)`` sends ``fn(item)`` for every item through
+ipyparallel's load-balanced view. Its scheduler gives an engine one task at a
+time (``TaskScheduler.hwm = 1``), so a rank takes the next task when it becomes
+idle and a fast rank does more: work stealing by the controller's own
+scheduler, not one written here.
+
+What this module adds is what the scheduler leaves to its caller:
+
+- **A rank that dies, freezes or is dropped** while running a task: the lab sees
+  it within a fraction of a second (the process host reports the exit; a frozen
+  process is in state "stopped"), kills it if it is still there, starts a fresh
+  process in its place (it registers as a new engine and joins the pool) and
+  sends the task again. ipyparallel would also resubmit it (``retries``), but
+  only after two seconds of missed heartbeats and a fixed five-second grace;
+  and it would resubmit a task that raised, too, which must not be repeated.
+- **Exactly once:** every item has one current attempt. A replaced attempt's
+  rank is dead (killed if it was frozen), so its result can never arrive; the
+  scheduler's late "engine died" reply for it is recognised and dropped.
+- **A task that raises** is not repeated: its error is kept, the others go on,
+  and ``TaskFailed`` is raised at the end with every result that was made.
+- **Bounded:** each task has ``timeout`` seconds; past it the rank is
+  interrupted (SIGINT), then replaced if it does not stop. Ctrl-C stops the
+  queue: waiting tasks are withdrawn, running ones interrupted, and what was
+  finished is returned.
+
+Afterwards, if a rank was replaced, the process group is rebuilt so the next
+cell has one (the other ranks keep their variables).
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from dataclasses import dataclass, field
+
+from labkit.rank import entry
+from labkit.runs.sources import notebook_sources
+from labkit.spec.errors import LabConfigError, LabError, format_ranks
+from labkit.views.task_board import TaskBoard
+
+POLL_SECONDS = 0.05
+
+
+class TaskFailed(LabError):
+    """Some tasks raised; ``results`` holds every task's outcome, the finished ones included."""
+
+    def __init__(self, message: str, results: "TaskResults") -> None:
+        super().__init__(message)
+        self.results = results
+
+
+@dataclass
+class TaskRecord:
+    """One item's life in the queue."""
+
+    index: int
+    attempts: int = 0
+    rank: int | None = None  # where it ran last (or runs now)
+    started: float | None = None  # monotonic time its current attempt began running
+    seconds: float | None = None  # how long the attempt that finished took on its rank
+    state: str = "pending"  # pending, running, done, failed, cancelled
+    value: object = None
+    error: dict | None = None
+    output: str = ""
+
+
+@dataclass
+class TaskResults:
+    """What ``lab.tasks`` returns: values in item order, and how the work was shared."""
+
+    records: list[TaskRecord]
+    events: list[str] = field(default_factory=list)  # requeues and replacements, in order
+    makespan: float = 0.0
+    interrupted: bool = False
+
+    @property
+    def values(self) -> list:
+        return [record.value for record in self.records]
+
+    @property
+    def done(self) -> int:
+        return sum(record.state == "done" for record in self.records)
+
+    @property
+    def requeued(self) -> int:
+        return sum(max(record.attempts - 1, 0) for record in self.records)
+
+    def per_rank(self) -> dict[int, int]:
+        """Tasks finished by each rank."""
+        counts: dict[int, int] = {}
+        for record in self.records:
+            if record.state == "done":
+                counts[record.rank] = counts.get(record.rank, 0) + 1
+        return dict(sorted(counts.items()))
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def __getitem__(self, index):
+        return self.values[index]
+
+    def __iter__(self):
+        return iter(self.values)
+
+    def summary(self) -> str:
+        shares = ", ".join(f"rank {rank}: {count}" for rank, count in self.per_rank().items()) or "none"
+        failed = sum(record.state == "failed" for record in self.records)
+        lines = [f"{self.done}/{len(self.records)} tasks done in {self.makespan:.2f} s; done by {shares}"]
+        if self.requeued:
+            lines.append(f"{self.requeued} task(s) requeued after their rank was lost")
+        if failed:
+            lines.append(f"{failed} task(s) raised")
+        if self.interrupted:
+            lines.append("interrupted: waiting tasks were withdrawn")
+        return "\n".join(lines + self.events)
+
+    def __repr__(self) -> str:
+        return f"<TaskResults {self.summary().splitlines()[0]}>"
+
+
+def _check(fn, items, timeout, retries) -> list:
+    if not callable(fn):
+        raise LabConfigError(f"lab.tasks runs a function on each item: got {fn!r}, which cannot be called")
+    try:
+        items = list(items)
+    except TypeError:
+        raise LabConfigError(f"lab.tasks needs a list (or any iterable) of items, got {items!r}") from None
+    if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
+        raise LabConfigError(f"retries is how often a task may be requeued after its rank is lost (0 or more), "
+                             f"got {retries!r}")
+    return items
+
+
+class TaskQueue:
+    """One ``lab.tasks`` call: submits, watches the ranks, requeues, collects."""
+
+    def __init__(self, session, fn, items, timeout: float, retries: int, live: bool | None) -> None:
+        self.session = session
+        self.cluster = session.cluster
+        self.fn = fn
+        self.items = items
+        self.timeout = timeout
+        self.retries = retries
+        self.sources = notebook_sources(fn)
+        self.records = [TaskRecord(index) for index in range(len(items))]
+        self.attempt: dict[int, object] = {}  # item index -> its current AsyncResult
+        self.events: list[str] = []
+        self.replaced: set[int] = set()
+        self.interrupted_at: dict[int, float] = {}  # rank -> when a timed-out task was interrupted
+        self.board = TaskBoard(len(items), session.world_size, live=live)
+        self.view = None
+
+    # -- status, for session.claim ------------------------------------------
+
+    done = False
+
+    def status(self) -> str:
+        return f"a task queue, {sum(r.state == 'done' for r in self.records)}/{len(self.records)} done"
+
+    def stop(self) -> None:  # the lab is stopping: nothing more to do here
+        self.done = True
+
+    def finished(self, timeout: float) -> bool:
+        return True
+
+    # -- the queue -----------------------------------------------------------
+
+    def _wait_for_retired_engines(self, seconds: float = 5.0) -> None:
+        """The scheduler sends work to every engine the controller still lists. A rank replaced just
+        before (it died while idle) is listed until its heartbeats are missed (about 2 s): a task
+        sent to it would wait out ipyparallel's grace before coming back. So wait for it to go."""
+        deadline = time.monotonic() + seconds
+        while self.cluster.retired_engines & set(self.cluster.client.ids) and time.monotonic() < deadline:
+            time.sleep(POLL_SECONDS)
+
+    def run(self) -> TaskResults:
+        began = time.monotonic()
+        interrupted = False
+        try:
+            self._wait_for_retired_engines()
+            # Every engine the controller lists, so a replacement rank joins the pool as soon as it registers.
+            self.view = self.cluster.client.load_balanced_view()
+            self.view.retries = 0  # requeueing is ours: only after a lost rank, never after a raise
+            for record in self.records:
+                self._submit(record)
+            while any(record.state in ("pending", "running") for record in self.records):
+                self._collect()
+                self._watch_ranks()
+                self.board.show(self.records, self._rank_states())
+                time.sleep(POLL_SECONDS)
+        except KeyboardInterrupt:
+            interrupted = True
+            self._withdraw()
+        finally:
+            self.done = True
+            self.board.finish()
+        results = TaskResults(self.records, self.events, time.monotonic() - began, interrupted)
+        return results
+
+    def _submit(self, record: TaskRecord) -> None:
+        record.attempts += 1
+        record.state, record.rank, record.started = "pending", None, None
+        self.attempt[record.index] = self.view.apply_async(
+            entry.run_task, self.fn, self.items[record.index], self.sources, self.timeout)
+
+    def _rank_of_engine(self, engine_id) -> int | None:
+        for rank, engine in self.cluster.engine_of.items():
+            if engine == engine_id:
+                return rank
+        return None
+
+    def _collect(self) -> None:
+        for record in self.records:
+            if record.state not in ("pending", "running"):
+                continue
+            result = self.attempt[record.index]
+            if not result.ready():
+                engine_id = result.metadata.get("engine_id")
+                rank = self._rank_of_engine(engine_id) if engine_id is not None else None
+                if rank is not None and record.state == "pending":
+                    record.state, record.rank, record.started = "running", rank, time.monotonic()
+                continue
+            try:
+                report = result.get(0)
+            except Exception as error:  # noqa: BLE001 - the scheduler's reply for an engine that went
+                if type(error).__name__ == "EngineError" or "EngineError" in str(getattr(error, "ename", "")):
+                    self._requeue(record, "its rank's engine was unregistered by the controller")
+                    continue
+                record.state, record.error = "failed", {"type": type(error).__name__, "message": str(error),
+                                                         "traceback": ""}
+                continue
+            record.rank = report.get("rank", record.rank)
+            record.seconds = report.get("seconds")
+            record.output = (result.stdout or "") + (result.stderr or "")
+            if report.get("ok"):
+                record.state, record.value = "done", report.get("value")
+            else:
+                record.state, record.error = "failed", report["error"]
+
+    def _requeue(self, record: TaskRecord, why: str) -> None:
+        if record.attempts > self.retries:
+            record.state = "failed"
+            record.error = {"type": "LostRank", "message": f"{why}; not requeued: retries={self.retries} used up",
+                            "traceback": ""}
+            return
+        self.events.append(f"task {record.index} requeued: {why}")
+        self._submit(record)
+
+    def _rank_states(self) -> dict[int, str]:
+        return {rank: "replaced" if rank in self.replaced else "ready" for rank in range(self.session.world_size)}
+
+    def _watch_ranks(self) -> None:
+        """Replace a rank that cannot work, and requeue the task it was running."""
+        now = time.monotonic()
+        broken = {}
+        for rank in range(self.session.world_size):
+            condition = self.cluster.condition(rank)
+            if condition is not None:
+                broken[rank] = condition
+        for record in self.records:
+            # Past its time: interrupt the rank once, then replace it if it does not stop.
+            if record.state == "running" and record.started is not None and now - record.started > self.timeout:
+                first = self.interrupted_at.setdefault(record.rank, now)
+                if first == now:
+                    self.cluster.signal([record.rank], signal.SIGINT)
+                elif now - first > self.session.interrupt_grace:
+                    broken.setdefault(record.rank, f"did not stop within {self.session.interrupt_grace:g} s "
+                                                   f"of an interrupt after the task's {self.timeout:g} s")
+        if not broken:
+            return
+        lost = [record for record in self.records if record.state == "running" and record.rank in broken]
+        try:
+            self.cluster.replace(sorted(broken))  # kills what is left of them first (a frozen one too)
+        except Exception as error:  # noqa: BLE001
+            raise LabError(f"{format_ranks(sorted(broken))} could not be replaced ({error}); "
+                           "call lab.restart() (or %lab restart)") from None
+        self.replaced |= set(broken)
+        for rank, condition in sorted(broken.items()):
+            self.events.append(f"rank {rank} {condition}: replaced, and it rejoined the pool")
+            self.interrupted_at.pop(rank, None)
+        for record in lost:
+            if record.started is not None and now - record.started > self.timeout:
+                record.state = "failed"
+                record.error = {"type": "TimeoutError", "message": f"task took more than {self.timeout:g} s",
+                                "traceback": ""}
+            else:
+                self._requeue(record, f"rank {record.rank} {broken[record.rank]} while running it")
+
+    def _withdraw(self) -> None:
+        """Ctrl-C: withdraw waiting tasks, interrupt running ones, keep what finished."""
+        waiting = [self.attempt[r.index] for r in self.records if r.state == "pending" and r.index in self.attempt]
+        running = sorted({r.rank for r in self.records if r.state == "running" and r.rank is not None})
+        try:
+            if self.view is not None and waiting:
+                self.view.abort(jobs=[msg_id for result in waiting for msg_id in result.msg_ids], block=False)
+        except Exception:  # noqa: BLE001 - already started or gone: such a task is interrupted below
+            pass
+        self.cluster.signal(running, signal.SIGINT)
+        deadline = time.monotonic() + self.session.interrupt_grace
+        while time.monotonic() < deadline and any(
+                not self.attempt[r.index].ready() for r in self.records if r.state == "running"):
+            time.sleep(POLL_SECONDS)
+        for record in self.records:
+            if record.index not in self.attempt:
+                record.state = "cancelled"  # never sent
+        self._collect()
+        for record in self.records:
+            if record.state == "failed" and (record.error or {}).get("type") in ("KeyboardInterrupt", "TaskAborted"):
+                record.state, record.error = "cancelled", None  # stopped by the user, not broken
+        stuck = sorted({r.rank for r in self.records if r.state == "running" and r.rank is not None})
+        if stuck:
+            self.cluster.replace(stuck)
+            self.replaced |= set(stuck)
+        for record in self.records:
+            if record.state in ("pending", "running"):
+                record.state = "cancelled"
+
+
+def run_tasks(session, fn, items, timeout: float | None = None, retries: int | None = None,
+              live: bool | None = None) -> TaskResults:
+    """Run ``fn(item)`` for every item on whichever rank is idle; see the module docstring."""
+    items = _check(fn, items, timeout, session.world_size if retries is None else retries)
+    limit = session.limit(timeout)
+    session.ready()  # broken ranks replaced first: every rank starts in the pool
+    queue = TaskQueue(session, fn, items, limit, session.world_size if retries is None else retries, live)
+    session.claim(queue)
+    try:
+        results = queue.run()
+    finally:
+        session.release(queue)
+        if queue.replaced or any(record.state in ("failed", "cancelled") for record in queue.records):
+            # A replaced rank is not in the process group yet, and a rank whose task raised or was
+            # interrupted left it (so its peers were not kept waiting): one group for the next cell.
+            session.form_group()
+    print(results.summary(), flush=True)
+    failed = [record for record in results.records if record.state == "failed"]
+    if failed:
+        first = failed[0]
+        detail = first.error.get("traceback") or f"{first.error['type']}: {first.error['message']}"
+        raise TaskFailed(f"{len(failed)} of {len(results)} tasks failed (the others' results are in "
+                         f"error.results); task {first.index} on rank {first.rank}:\n{detail}", results)
+    return results

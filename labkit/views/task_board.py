@@ -1,0 +1,58 @@
+"""The live view of a task queue: per rank what it runs and how many it finished.
+
+In a notebook one display is redrawn a few times a second while ``lab.tasks``
+runs: a line with pending, running and done counts, then a row per rank with
+the task it is running, how many it has finished and whether it was replaced
+(a dead rank's replacement rejoins the pool and takes tasks again). At the end
+the display is emptied, so a saved notebook does not depend on timing, and the
+queue prints its summary once. Outside a notebook nothing is drawn.
+"""
+
+from __future__ import annotations
+
+import time
+
+from labkit.views.rank_output import in_kernel
+
+REDRAW_SECONDS = 0.25
+
+
+def board_text(total: int, world_size: int, records, rank_states: dict[int, str]) -> str:
+    """The board as text: counts, then one row per rank."""
+    states = [record.state for record in records]
+    lines = [f"tasks: {states.count('pending')} pending, {states.count('running')} running, "
+             f"{states.count('done')}/{total} done" + (f", {states.count('failed')} failed" if "failed" in states else "")]
+    lines.append(f"{'rank':<6}{'running':<10}{'done':<6}state")
+    for rank in range(world_size):
+        running = [str(record.index) for record in records if record.state == "running" and record.rank == rank]
+        done = sum(record.state == "done" and record.rank == rank for record in records)
+        bar = "#" * done
+        lines.append(f"{rank:<6}{','.join(running) or '-':<10}{done:<6}{rank_states.get(rank, 'ready'):<9}{bar}")
+    return "\n".join(lines)
+
+
+class TaskBoard:
+    """Redraws ``board_text`` in one notebook display while the queue runs."""
+
+    def __init__(self, total: int, world_size: int, live: bool | None = None) -> None:
+        self.total = total
+        self.world_size = world_size
+        self.live = in_kernel() if live is None else live
+        self.last_text = ""
+        self._handle = None
+        self._last_draw = 0.0
+
+    def show(self, records, rank_states: dict[int, str]) -> None:
+        self.last_text = board_text(self.total, self.world_size, records, rank_states)
+        if not self.live or time.monotonic() - self._last_draw < REDRAW_SECONDS:
+            return
+        from IPython.display import display
+
+        if self._handle is None:
+            self._handle = display({"text/plain": ""}, raw=True, display_id=True)
+        self._handle.update({"text/plain": self.last_text}, raw=True)
+        self._last_draw = time.monotonic()
+
+    def finish(self) -> None:
+        if self._handle is not None:
+            self._handle.update({"text/plain": ""}, raw=True)
