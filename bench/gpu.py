@@ -437,13 +437,26 @@ def row_problems(report, communicates: bool) -> list[str]:
     return problems
 
 
+def own_settings(strategy: str, world_size: int, batch: int) -> dict:
+    """What a strategy needs for a short check: DiLoCo's outer step within the check's few steps,
+    a batch the parameter server's workers (all ranks but its one server) divide."""
+    parts = strategy.split("+")
+    if "diloco" in parts:
+        return {"inner_steps": 2, "global_batch": batch}
+    if "ps" in parts:
+        workers = world_size - 1
+        return {"global_batch": max(workers, batch // workers * workers)}
+    return {"global_batch": batch}
+
+
 def correctness(lab: Lab, plan: Plan, checks: list[Check]) -> dict:
     runs, rows = [], []
     for strategy in strategies_for(lab.world_size):
         mesh = MESH_ON_4.get(strategy) if lab.world_size == 4 else None
         try:
-            report = lab.train(strategy, "gpt", steps=plan.check_steps, mesh=mesh, global_batch=plan.check_batch,
-                               model_settings=plan.small, verify=True, instruments=True, log_every=10**9)
+            report = lab.train(strategy, "gpt", steps=plan.check_steps, mesh=mesh, model_settings=plan.small,
+                               verify=True, instruments=True, log_every=10**9,
+                               **own_settings(strategy, lab.world_size, plan.check_batch))
         except Exception as error:  # one strategy failing must not hide the others
             message = f"{type(error).__name__}: {error}"
             runs.append({"strategy": strategy, "error": message})

@@ -1,5 +1,7 @@
 """Shared fixtures: one real 4-rank lab for the integration tests of a module."""
 
+import time
+
 import psutil
 import pytest
 
@@ -23,10 +25,19 @@ def stop_leaving_nothing(lab) -> None:
     if lab.cluster is not None:
         pids = set(lab.cluster.process_ids())
         ports = {port for _, port, _ in lab.cluster.listening_addresses()}
+    stopped = time.time()
     lab.stop()
     assert wait_gone(pids, 10) == set(), "processes outlived stop"
-    listening = {c.laddr.port for c in psutil.net_connections("inet") if c.status == psutil.CONN_LISTEN}
-    assert not ports & listening, "ports still listening after stop"
+    # A port number may be taken again at once by a process that started later (another lab on
+    # this machine): only a listener that existed before the stop outlived it.
+    left = listeners_left(ports, stopped)
+    assert not left, f"ports still listening after stop: {left}"
+
+
+def listeners_left(ports, stopped: float) -> list:
+    """Listening sockets on ``ports`` held by processes older than ``stopped`` (a time.time())."""
+    return [c for c in psutil.net_connections("inet")
+            if c.status == psutil.CONN_LISTEN and c.laddr.port in ports and _older_than(c.pid, stopped)]
 
 
 def ipython_shell():
@@ -45,6 +56,12 @@ def wait_gone(pids, seconds=10.0) -> set[int]:
     """The pids still alive after waiting up to ``seconds`` for them to exit."""
     _, alive = psutil.wait_procs([p for p in map(_process, pids) if p], timeout=seconds)
     return {process.pid for process in alive}
+
+
+def _older_than(pid, moment: float) -> bool:
+    """Whether process ``pid`` was started before ``moment`` (a time.time()); True when unknown."""
+    process = _process(pid) if pid else None
+    return process is None or process.create_time() < moment
 
 
 def _process(pid):

@@ -88,6 +88,6 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
     assert record["errors"] == {}, record["errors"]
     for part in ("performance", "correctness", "mixed_precision", "collective", "instrument_accuracy"):
         assert record[part], f"{part} is missing from the results\n{output}"
-    assert {run["strategy"] for run in record["correctness"]["runs"]} == {"ddp", "fsdp", "tp", "pp"}
+    assert {run["strategy"] for run in record["correctness"]["runs"]} == {"ddp", "fsdp", "tp", "pp", "ps", "diloco"}
     assert all(run["equivalent"] for run in record["correctness"]["runs"])
     assert not [check for check in record["checks"] if check["kind"] == "correctness" and check["verdict"] == "FAIL"]

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from labkit import LabConfigError
-from labkit.runs.tasks import TaskFailed
+from labkit import TaskFailed
 
 from .conftest import ipython_shell, wait_gone
 
@@ -172,6 +172,11 @@ def test_bad_input_is_refused_before_anything_is_sent(lab):
     with pytest.raises(LabConfigError, match="retries"):
         lab.tasks(print, [1], retries=-1)
     assert lab.tasks(print, []).values == []
+    import threading as locks
+
+    with pytest.raises(LabConfigError, match="could not be sent"):
+        lab.tasks(print, [1, locks.Lock()])
+    assert lab.run(lambda: 5) == [5] * 4
 
 
 def test_the_magics(lab, capsys):

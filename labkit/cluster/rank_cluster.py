@@ -281,8 +281,9 @@ class RankCluster:
             return "was dropped by the controller (it missed its heartbeats)"
         return None
 
-    def _exit_code(self, pid: int, wait: float = 1.0) -> int | None:
-        """The code the host reports for an ended child, waiting a moment for the report to arrive."""
+    def _exit_code(self, pid: int, wait: float = 3.0) -> int | None:
+        """The code the host reports for an ended child, waiting a moment for the report to arrive
+        (on a loaded machine the host's report can take more than a second)."""
         deadline = time.monotonic() + wait
         while self.host is not None and pid not in self.host.exit_codes and time.monotonic() < deadline:
             time.sleep(0.02)

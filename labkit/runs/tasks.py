@@ -31,6 +31,7 @@ cell has one (the other ranks keep their variables).
 
 from __future__ import annotations
 
+import pickle
 import signal
 import time
 from dataclasses import dataclass, field
@@ -183,8 +184,14 @@ class TaskQueue:
             # Every engine the controller lists, so a replacement rank joins the pool as soon as it registers.
             self.view = self.cluster.client.load_balanced_view()
             self.view.retries = 0  # requeueing is ours: only after a lost rank, never after a raise
-            for record in self.records:
-                self._submit(record)
+            try:
+                for record in self.records:
+                    self._submit(record)
+            except (TypeError, AttributeError, pickle.PicklingError) as error:
+                self._withdraw()
+                raise LabConfigError(
+                    f"task {record.index} could not be sent to the ranks: {error}. A function and its item travel "
+                    "pickled: pass plain data, and make locks, open files or clients inside the function") from None
             while any(record.state in ("pending", "running") for record in self.records):
                 self._collect()
                 self._watch_ranks()
