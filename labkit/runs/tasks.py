@@ -150,6 +150,8 @@ class TaskQueue:
         self.events: list[str] = []
         self.replaced: set[int] = set()
         self.interrupted_at: dict[int, float] = {}  # rank -> when a timed-out task was interrupted
+        # Engines of replaced ranks -> (rank, why): a task seen starting there later was lost with it.
+        self.dead_engines: dict[int, tuple[int, str]] = {}
         self.board = TaskBoard(len(items), session.world_size, live=live)
         self.view = None
 
@@ -225,6 +227,12 @@ class TaskQueue:
             result = self.attempt[record.index]
             if not result.ready():
                 engine_id = result.metadata.get("engine_id")
+                if engine_id in self.dead_engines:
+                    # It started on a rank that died so soon after that its start was only heard now.
+                    rank, why = self.dead_engines[engine_id]
+                    record.rank = rank
+                    self._requeue(record, f"rank {rank} {why} while running it")
+                    continue
                 rank = self._rank_of_engine(engine_id) if engine_id is not None else None
                 if rank is not None and record.state == "pending":
                     record.state, record.rank, record.started = "running", rank, time.monotonic()
@@ -278,6 +286,9 @@ class TaskQueue:
         if not broken:
             return
         lost = [record for record in self.records if record.state == "running" and record.rank in broken]
+        for rank in broken:
+            if rank in self.cluster.engine_of:
+                self.dead_engines[self.cluster.engine_of[rank]] = (rank, broken[rank])
         try:
             self.cluster.replace(sorted(broken))  # kills what is left of them first (a frozen one too)
         except Exception as error:  # noqa: BLE001
