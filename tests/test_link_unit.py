@@ -122,6 +122,15 @@ def test_bad_input_is_refused_before_anything_is_sent(setting):
     assert session.sent == [] and session.link == LinkSpec(1e9, 0.001)
 
 
+@pytest.mark.parametrize("setting", [("1bit",), (None, "3s"), ("10bit", "1s")])
+def test_a_link_too_slow_for_the_lab_to_heal_over_is_refused(setting):
+    session = _Session()  # 4 ranks, start_timeout 60 s: the group check may take 15 s at most
+    with pytest.raises(LabConfigError, match="too slow for this lab.*start_timeout"):
+        set_link(session, *setting)
+    assert session.sent == [] and session.link is None
+    assert set_link(session, "1Mbit", "1s") == LinkSpec(1e6, 1.0)  # 6 s for the check: allowed
+
+
 def test_a_stopped_lab_keeps_the_setting_for_its_next_start():
     session = _Session(running=False)
     assert set_link(session, latency="5ms") == LinkSpec(None, 0.005) == session.link

@@ -28,12 +28,31 @@ def set_link(session, bandwidth=..., latency=...) -> LinkSpec | None:
     if bandwidth is ... and latency is ...:
         return session.link
     spec = LinkSpec.parse(None if bandwidth is ... else bandwidth, None if latency is ... else latency)
+    _check_recoverable(spec, session)
     if session.running:
         session.ready()  # idle ranks, broken ones replaced, before the setting changes
     session.link = spec  # first: if a rank fails on the way, the group formed next gives it the link
     if session.running:
         session.call(range(session.world_size), entry.set_link, (spec,), session.start_timeout)
     return spec
+
+
+def _check_recoverable(spec: LinkSpec | None, session) -> None:
+    """Refuse a link so slow that the lab could not rebuild its own process group over it.
+
+    After a failure the ranks form a new group and check it with one small all-reduce, all
+    within ``start_timeout``; the link slows that too. A link under which that all-reduce
+    alone takes more than a quarter of the time would leave a lab that cannot heal."""
+    if spec is None:
+        return
+    check = spec.seconds("all_reduce", 8, session.world_size)
+    allowed = session.start_timeout / 4
+    if check > allowed:
+        raise LabConfigError(
+            f"{spec} is too slow for this lab: its own 8-byte all-reduce, which rebuilds the process group after "
+            f"a failure, would take {check:.3g} s over it, more than a quarter of start_timeout "
+            f"({session.start_timeout:g} s). Use a shorter latency or a faster link (such as "
+            f"lab.link('100Mbit', '20ms')), or start the lab with a longer start_timeout")
 
 
 def describe(spec: LinkSpec | None, world_size: int) -> str:
