@@ -145,3 +145,18 @@ def test_bad_settings_are_refused_before_any_rank_works(lab):
     with pytest.raises(LabConfigError, match="inner_steps is a setting of diloco"):
         lab.train("ddp", "mlp", steps=1, inner_steps=5)
     assert [step for _, step in lab.run(full_parameters)] == [1] * lab.world_size  # the ranks' state untouched
+
+
+def test_memory_counts_the_global_copy_and_its_momentum(lab):
+    from labkit import MemoryBudgetError
+
+    ddp = lab.train("ddp", "mlp", steps=1, log_every=100)
+    diloco = lab.train("diloco", "mlp", steps=1, log_every=100)
+    params = ddp.memory[0]["params"]
+    for alone, replica in zip(ddp.memory, diloco.memory):
+        assert replica["params"] == alone["params"] == params
+        assert replica["optimizer"] == alone["optimizer"] + 2 * params  # AdamW's two moments, plus DiLoCo's two
+    budget = 5 * params  # DDP needs 4 copies (weights, gradients, two moments), DiLoCo 6
+    assert lab.train("ddp", "mlp", steps=1, log_every=100, max_memory=budget).steps_done == 1
+    with pytest.raises(MemoryBudgetError):
+        lab.train("diloco", "mlp", steps=1, log_every=100, max_memory=budget)

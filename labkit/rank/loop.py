@@ -32,7 +32,7 @@ from labkit.rank.recorder import Publisher
 from labkit.rank.state import state_for
 from labkit.rank.step_timer import StepTimer
 from labkit.spec.train_config import OPTIMIZERS, TrainConfig
-from labkit.strategies.catalog import DATA_AXES
+from labkit.strategies.catalog import DATA_AXES, strategy
 from labkit.strategies.compose import shard_for_memory_estimate
 from labkit.zoo.models import build_model
 
@@ -229,7 +229,7 @@ def _train(config: TrainConfig, runtime) -> dict:
         "losses": losses.values(),
         "step_seconds": step_seconds,
         "steps_done": len(step_seconds),
-        "memory": memory_bytes(parallel.module, optimizer),
+        "memory": memory_bytes(parallel.module, optimizer, parallel.extra_state.values()),
         "rows": list(recorder.rows) if config.instruments else [],
         "timeline": list(recorder.timeline) if config.instruments else [],
         "device_name": device_name(device),
@@ -250,4 +250,6 @@ def estimate_memory(config: TrainConfig) -> dict[str, int]:
     model = build_model(config.model, config.model_config, config.seed, "meta")
     shard_for_memory_estimate(model, mesh, config, runtime.backend)
     param_bytes = sum(local_bytes(p) for p in {id(p): p for p in model.parameters()}.values())
-    return estimated_bytes(param_bytes, OPTIMIZERS[config.optimizer])
+    # A strategy may keep copies of the parameters beside the optimizer's state (DiLoCo: two).
+    copies = sum(strategy(part).state_copies for part in config.parts)
+    return estimated_bytes(param_bytes, OPTIMIZERS[config.optimizer] + copies)

@@ -27,9 +27,12 @@ def _unique(parameters):
             yield parameter
 
 
-def memory_bytes(module: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
+def memory_bytes(module: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                 extra_state=()) -> dict[str, int]:
+    """``extra_state``: objects a strategy keeps beside the optimizer (DiLoCo's global copy and
+    outer momentum); what each one's ``nbytes()`` says is counted as optimizer state."""
     parameters = list(_unique(module.parameters()))
-    state = 0
+    state = sum(extra.nbytes() for extra in extra_state if hasattr(extra, "nbytes"))
     if optimizer is not None:
         for values in optimizer.state.values():
             state += sum(local_bytes(value) for value in values.values() if isinstance(value, torch.Tensor))

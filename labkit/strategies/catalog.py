@@ -92,6 +92,7 @@ class Strategy:
     data_parts: Callable[[Any], int] | None = None
     alone: bool = False  # runs by itself only, never in a composition (its ranks have roles of their own)
     no_checkpoints: str = ""  # why its training state cannot be checkpointed yet ("": it can)
+    state_copies: int = 0  # copies of each rank's parameters it keeps beside the optimizer (memory estimate)
     module: str = field(default="")
 
     @property
@@ -173,7 +174,7 @@ CATALOG: dict[str, Strategy] = {
         ),
         Strategy(
             # Last (order 3): the outer step works on the final, possibly sharded, parameters.
-            "diloco", axis="replica", order=3,
+            "diloco", axis="replica", order=3, state_copies=2,  # the global copy and its outer momentum
             summary="DiLoCo: replicas take inner_steps optimizer steps alone, then an outer Nesterov step on "
                     "their averaged parameter change",
             settings=(Setting("inner_steps", 10, "DiLoCo: inner optimizer steps between outer steps (H)"),

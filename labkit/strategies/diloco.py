@@ -107,6 +107,10 @@ class OuterStep:
         for local, value in zip(held, self.global_copy):
             local.copy_(value)  # in place: FSDP's shards and DDP's parameters stay the tensors they were
 
+    def nbytes(self) -> int:
+        """What DiLoCo keeps beside the inner optimizer on this rank: the global copy and its momentum."""
+        return sum(t.numel() * t.element_size() for t in (*self.global_copy, *self.buffers))
+
     def global_parameters(self) -> dict:
         """The global copy by parameter name, held as the parameters are (DTensors where they are)."""
         return {name: _like(p, value) for (name, p), value in zip(self.named, self.global_copy)}
