@@ -160,3 +160,36 @@ def test_memory_counts_the_global_copy_and_its_momentum(lab):
     assert lab.train("ddp", "mlp", steps=1, log_every=100, max_memory=budget).steps_done == 1
     with pytest.raises(MemoryBudgetError):
         lab.train("diloco", "mlp", steps=1, log_every=100, max_memory=budget)
+
+
+def _local_parameters():
+    from labkit.rank.entry import this_rank as rank_runtime
+
+    state = rank_runtime().train_state
+    return {name: p.detach().clone() for name, p in state.parallel.named_parameters()}, state.step
+
+
+def test_a_rank_killed_mid_run_is_healed_from_a_checkpoint_taken_mid_round(lab, tmp_path):
+    import time
+
+    settings = dict(steps=24, inner_steps=4, log_every=1000)
+    lab.train("diloco", "mlp", **settings)
+    uninterrupted = lab.run(_local_parameters)
+    lab.slow(2, 0.05)  # ~70 ms a step: the kill lands mid-run
+    try:
+        run = lab.train("diloco", "mlp", checkpoint_every=6, checkpoint_dir=str(tmp_path), auto_heal=True,
+                        background=True, **settings)  # step 6 is mid-round: replicas differ there
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "step-00000006" / "labkit.json").exists() and time.monotonic() < deadline:
+            assert not run.done, run.status()
+            time.sleep(0.05)
+        time.sleep(0.2)
+        lab.kill(1)
+        report = run.wait(120)
+    finally:
+        lab.slow(2, None)
+    assert len(report.notes) == 1 and "rank 1 died" in report.notes[0]
+    healed = lab.run(_local_parameters)
+    for (before, _), (after, step) in zip(uninterrupted, healed):
+        assert step == 24 and before.keys() == after.keys()
+        assert all(torch.equal(before[name], after[name]) for name in before)
