@@ -132,6 +132,11 @@ def parse_bandwidth(value) -> float:
     return bits
 
 
+def is_latency_text(text: str) -> bool:
+    """Whether ``text`` is written as a latency (a number with a time unit), whatever its value."""
+    return bool(_LATENCY.match(text))
+
+
 def parse_latency(value) -> float:
     """``"20ms"`` -> 0.02 s; a number is seconds, text needs its unit (``20`` is refused)."""
     if isinstance(value, (int, float)) and not isinstance(value, bool):

@@ -16,10 +16,11 @@ import re
 from labkit.rank import entry
 from labkit.spec.errors import LabConfigError
 from labkit.spec.link import OFF_WORDS, LinkSpec
+from labkit.units import is_latency_text
 
-# A word that is only a number, and a latency's unit (anything else with a unit is a bandwidth).
+# A word that is only a number (its unit is the next word); a word with a time unit is a latency
+# (units.is_latency_text), anything else with a unit a bandwidth.
 _NUMBER = re.compile(r"^-?(\d+(\.\d*)?|\.\d+)$")
-_LATENCY_UNIT = re.compile(r"^-?(\d+(\.\d*)?|\.\d+)\s*(s|ms|us|\u00b5s|\u03bcs|ns)$", re.IGNORECASE)
 LINK_USAGE = "write %lab link 100Mbit 20ms (bandwidth, latency, either may be left out), %lab link off, or %lab link"
 
 
@@ -83,8 +84,8 @@ def parse_words(words: list[str]) -> tuple:
     if pending is not None:
         raise LabConfigError(f"{pending!r} needs its unit, e.g. {pending}ms (latency) or {pending}Mbit "
                              f"(bandwidth): {LINK_USAGE}")
-    latencies = [token for token in tokens if _LATENCY_UNIT.match(token)]
-    bandwidths = [token for token in tokens if not _LATENCY_UNIT.match(token)]
+    latencies = [token for token in tokens if is_latency_text(token)]
+    bandwidths = [token for token in tokens if not is_latency_text(token)]
     if len(latencies) > 1 or len(bandwidths) > 1:
         raise LabConfigError(f"give at most one bandwidth and one latency, got {' '.join(words)!r}: {LINK_USAGE}")
     return (bandwidths[0] if bandwidths else None), (latencies[0] if latencies else None)

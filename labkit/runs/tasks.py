@@ -121,7 +121,7 @@ class TaskResults:
         return f"<TaskResults {self.summary().splitlines()[0]}>"
 
 
-def _check(fn, items, timeout, retries) -> list:
+def _check(fn, items, retries) -> list:
     if not callable(fn):
         raise LabConfigError(f"lab.tasks runs a function on each item: got {fn!r}, which cannot be called")
     try:
@@ -339,10 +339,11 @@ class TaskQueue:
 def run_tasks(session, fn, items, timeout: float | None = None, retries: int | None = None,
               live: bool | None = None) -> TaskResults:
     """Run ``fn(item)`` for every item on whichever rank is idle; see the module docstring."""
-    items = _check(fn, items, timeout, session.world_size if retries is None else retries)
+    retries = session.world_size if retries is None else retries
+    items = _check(fn, items, retries)
     limit = session.limit(timeout)
     session.ready()  # broken ranks replaced first: every rank starts in the pool
-    queue = TaskQueue(session, fn, items, limit, session.world_size if retries is None else retries, live)
+    queue = TaskQueue(session, fn, items, limit, retries, live)
     session.claim(queue)
     try:
         results = queue.run()

@@ -46,31 +46,24 @@ class ParallelModel:
     instruments set it to note where the device waits for gradient communication.
     """
 
-    def __init__(self, module: nn.Module, loss_fn, micro_batches: int, runner=None, grad_syncs=(),
-                 autocast=contextlib.nullcontext, step_wrappers=(), role: str = "trainer",
-                 data_share: tuple[int, int] | None = (0, 1), loss_groups=(), update=None, forward=None,
-                 extra_state=None, strategy_results=None, reference_view=None) -> None:
-        self.module = module
-        self.loss_fn = loss_fn
-        self.micro_batches = micro_batches
-        self.runner = runner
-        self.grad_syncs = list(grad_syncs)
+    def __init__(self, composition: "Composition", autocast=contextlib.nullcontext, role: str = "trainer") -> None:
+        # What the parts built, as they left it (see Composition for each field).
+        self.module = composition.model
+        self.loss_fn = composition.loss_fn
+        self.micro_batches = composition.config.micro_batches
+        self.runner = composition.runner
+        self.grad_syncs = list(composition.grad_syncs)
+        self.step_wrappers = list(composition.step_wrappers)
+        self.data_share = composition.data_share  # (index, parts) of each global batch; None: takes no data
+        self.loss_groups = list(composition.loss_groups)
+        self.update = composition.update
+        self.forward = composition.forward
+        self.extra_state = dict(composition.extra_state)
+        # Kept by reference: the part fills it, the loop empties it at each run's start.
+        self.strategy_results = composition.strategy_results
+        self.reference_view = composition.reference_view
         self.autocast = autocast
-        self.step_wrappers = list(step_wrappers)
         self.role = role
-        self.data_share = data_share  # (index, parts) of each global batch this rank trains on; None: none
-        self.loss_groups = list(loss_groups)  # (group, size): the progress line averages the loss over these
-        self.update = update  # replaces optimizer.step() (a parameter server's push and pull); None: step
-        self.forward = forward  # replaces forward and backward for a rank with another role; None: train
-        # A part's own state that checkpoints carry beside model and optimizer (DiLoCo's outer step):
-        # name -> object with state_dict(app) and load_state_dict(entry, optimizer), see rank/checkpoint.
-        self.extra_state = dict(extra_state or {})
-        # What a part measured during the run, returned with the rank's result (the loop empties it at each
-        # run's start, so it is kept by reference): e.g. a parameter server's staleness per update.
-        self.strategy_results = strategy_results if strategy_results is not None else {}
-        # For verify: given the single-process parameters by name, what this rank holds of them under the
-        # names of its own parameters (a parameter server's shard is a slice of them); None: the same names.
-        self.reference_view = reference_view
         self.backward_watch = lambda loss: contextlib.nullcontext()
 
     @property
@@ -159,14 +152,20 @@ class Composition:
         self.after_all: list = []  # work that needs the final model (called with the composition)
         self.runner = None  # runs forward and backward itself (the pipeline's schedule)
         self.own_precision = False  # a part casts for itself (FSDP's policy): no autocast
-        self.role = "trainer"
         self.data_share: tuple[int, int] | None = (0, 1)  # set from the data axes; a part may change it
         self.loss_groups: list = []  # (group, size) pairs the progress line's loss is averaged over
         self.update = None  # replaces optimizer.step() when set (called with the optimizer)
         self.forward = None  # replaces forward and backward when set (called with inputs and targets)
-        self.extra_state: dict = {}  # name -> a part's own state for checkpoints (see ParallelModel)
-        self.strategy_results: dict = {}  # what a part measured, returned with the rank's result
-        self.reference_view = None  # what this rank holds of single-process parameters (see ParallelModel)
+        # A part's own state that checkpoints carry beside model and optimizer (DiLoCo's outer step):
+        # name -> object with state_dict(app) and load_state_dict(entry, optimizer), see rank/checkpoint;
+        # an nbytes() is counted with the optimizer's memory.
+        self.extra_state: dict = {}
+        # What a part measured during the run, returned with the rank's result: e.g. a parameter
+        # server's staleness per update.
+        self.strategy_results: dict = {}
+        # For verify: given the single-process parameters by name, what this rank holds of them under
+        # its own parameters' names (a parameter server's shard is a slice of them); None: the same names.
+        self.reference_view = None
 
     def uses(self, part: str) -> bool:
         return part in self.parts
@@ -198,13 +197,7 @@ def parallelize(model: nn.Module, mesh, config, loss_fn, device: torch.device, b
                 rank: int = 0) -> ParallelModel:
     composition = _compose(Composition(model, config, loss_fn, device, backend), mesh)
     autocast = contextlib.nullcontext if composition.own_precision else autocast_for(config.precision, device)
-    return ParallelModel(composition.model, loss_fn, config.micro_batches, runner=composition.runner,
-                         grad_syncs=composition.grad_syncs, autocast=autocast,
-                         step_wrappers=composition.step_wrappers, role=role_of(config.parts, config, rank),
-                         data_share=composition.data_share, loss_groups=composition.loss_groups,
-                         update=composition.update, forward=composition.forward,
-                         extra_state=composition.extra_state, strategy_results=composition.strategy_results,
-                         reference_view=composition.reference_view)
+    return ParallelModel(composition, autocast=autocast, role=role_of(config.parts, config, rank))
 
 
 def shard_for_memory_estimate(model: nn.Module, mesh, config, backend: str) -> nn.Module:

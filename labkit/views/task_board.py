@@ -38,19 +38,17 @@ class TaskBoard:
         self.total = total
         self.world_size = world_size
         self.live = in_kernel() if live is None else live
-        self.last_text = ""
         self._handle = None
         self._last_draw = 0.0
 
     def show(self, records, rank_states: dict[int, str]) -> None:
-        self.last_text = board_text(self.total, self.world_size, records, rank_states)
         if not self.live or time.monotonic() - self._last_draw < REDRAW_SECONDS:
-            return
+            return  # the queue polls far more often than the board is drawn
         from IPython.display import display
 
         if self._handle is None:
             self._handle = display({"text/plain": ""}, raw=True, display_id=True)
-        self._handle.update({"text/plain": self.last_text}, raw=True)
+        self._handle.update({"text/plain": board_text(self.total, self.world_size, records, rank_states)}, raw=True)
         self._last_draw = time.monotonic()
 
     def finish(self) -> None:
