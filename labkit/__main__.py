@@ -2,6 +2,7 @@
 
     python -m labkit tour [NOTEBOOK]    execute a notebook, print every cell's text output
     python -m labkit lab [NOTEBOOK]     open JupyterLab (loopback only) on a notebook
+    python -m labkit join TOKEN         on another machine: join a lab as its next rank (%lab join-command)
 """
 
 from __future__ import annotations
@@ -79,7 +80,19 @@ def main(argv=None) -> int:
     tour.add_argument("--cell-timeout", type=int, default=600)
     lab = commands.add_parser("lab", help="open JupyterLab on a notebook")
     lab.add_argument("notebook", nargs="?", type=Path, default=TOUR)
+    join = commands.add_parser("join", help="start an engine here that joins a lab as its next rank")
+    join.add_argument("token", help="the token that %%lab join-command printed")
+    join.add_argument("--interface", help="network interface for gloo/nccl here (default: the one that reaches "
+                                          "the lab)")
     options = parser.parse_args(argv)
+    if options.command == "join":
+        from labkit.cluster.join import run_joined_engine
+        from labkit.spec.errors import LabConfigError
+
+        try:
+            return run_joined_engine(options.token, options.interface)
+        except LabConfigError as error:
+            parser.error(str(error))
     if not options.notebook.exists():
         parser.error(f"no notebook at {options.notebook}")
     if options.command == "tour":

@@ -14,6 +14,7 @@ what happened on which rank. The next call finds a working lab.
 
 from __future__ import annotations
 
+from labkit.cluster.launchers import choose_launcher
 from labkit.cluster.placement import RankPlan, plan_ranks
 from labkit.rank import entry
 from labkit.runs.sources import read_script
@@ -44,6 +45,15 @@ class Lab:
     every collective's kind, shapes and dtypes are compared across ranks before
     it runs, and a mismatch is an error naming each rank's call (torch's
     ``TORCH_DISTRIBUTED_DEBUG=DETAIL``; one extra small collective each).
+
+    Past one machine: ``launcher`` is the ipyparallel launcher that starts the
+    engines ('hosted', the lab's own, by default; 'mpi', 'ssh', 'slurm', ...), and
+    ``launcher_options`` go to it unchanged (``mpi_args``, ``engines``, ...).
+    controller_address: the address of this machine that the ranks reach (default
+    loopback: one machine). interface: the network interface gloo/nccl use on every
+    rank (default: the one that reaches the controller). ranks_per_host: how many
+    ranks a host may hold (nccl: its GPUs). encrypt: CurveZMQ on every ipyparallel
+    connection. Machines join with the command ``join_command()`` prints.
     """
 
     def __init__(
@@ -56,15 +66,28 @@ class Lab:
         interrupt_grace: float = DEFAULT_INTERRUPT_GRACE,
         oversubscribe: bool = False,
         check_collectives: bool = False,
+        launcher: str = "hosted",
+        controller_address: str | None = None,
+        interface: str | None = None,
+        ranks_per_host: int | None = None,
+        encrypt: bool = False,
+        **launcher_options,
     ) -> None:
         # Everything is checked here, before a single process starts.
+        chosen = choose_launcher(launcher, **launcher_options)
+        if not isinstance(encrypt, bool):
+            raise LabConfigError(f"encrypt is True or False, got {encrypt!r}")
         plan: RankPlan = plan_ranks(ranks, backend=backend, threads_per_rank=threads_per_rank,
-                                    oversubscribe=oversubscribe, check_collectives=check_collectives)
+                                    oversubscribe=oversubscribe, check_collectives=check_collectives,
+                                    controller_address=controller_address, interface=interface,
+                                    ranks_per_host=ranks_per_host, on_this_machine=chosen.on_this_machine)
         self.session = Session(
             plan,
             timeout=positive_seconds("timeout", timeout),
             start_timeout=positive_seconds("start_timeout", start_timeout),
             interrupt_grace=positive_seconds("interrupt_grace", interrupt_grace),
+            launcher=chosen,
+            encrypt=encrypt,
         )
 
     # -- identity -----------------------------------------------------------
@@ -75,7 +98,13 @@ class Lab:
 
     @property
     def world_size(self) -> int:
+        """Ranks now: those the launcher started and those that joined, less those lost from other machines."""
         return self.session.world_size
+
+    @property
+    def launcher(self):
+        """The ipyparallel launcher that starts the engines, with its options (a ``LauncherChoice``)."""
+        return self.session.launcher
 
     @property
     def backend(self) -> str:
@@ -146,6 +175,15 @@ class Lab:
 
     def __exit__(self, *exc_info) -> None:
         self.stop()
+
+    def join_command(self, python: str = "python") -> str:
+        """The one command that, run on another machine with labkit installed, starts an engine there
+        that joins this lab as its next rank at the next ``start()`` or ``heal()``.
+
+        It carries the lab's key: whoever has it can run code in the lab."""
+        from labkit.cluster.join import join_command
+
+        return join_command(self.session.require_running(), python)
 
     def seed(self, value: int, same: bool = False) -> list[int]:
         """Seed torch, numpy and ``random`` on every rank: ``value + rank``, or ``value`` with ``same``.
@@ -294,7 +332,8 @@ class Lab:
         return self.session.kill(rank)
 
     def heal(self):
-        """Replace every rank that died or froze and rebuild the process group; if the last run
+        """Replace every rank that died or froze, let engines that joined become ranks (a lost rank that
+        joined from another machine is dropped), and rebuild the process group; if the last run
         failed after saving checkpoints, go on from the newest one to the step it was to reach.
         Returns that run (in the background, as the failed one was), its report, or None."""
         from labkit.runs.training_run import heal_and_go_on

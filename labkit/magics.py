@@ -30,6 +30,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 
 from labkit.lab import Lab
+from labkit.network_magics import add_network_arguments, join_command_line, network_settings
 from labkit.queue_magics import ensemble_command, tasks_command
 from labkit.runs.link import link_command
 from labkit.spec.mesh import MeshSpec
@@ -137,6 +138,7 @@ def _build_parsers():
                        help="compare every collective across ranks first; a mismatch names each rank's call")
     start.add_argument("--oversubscribe", action="store_true",
                        help="start more ranks than this machine's memory and cores are judged to hold")
+    add_network_arguments(start)
     train = _train_parser()
     bench = _Parser(prog="%lab bench", add_help=False)
     bench.add_argument("operation", choices=("allreduce", "all_reduce", "allgather", "all_gather", "reduce_scatter",
@@ -178,6 +180,8 @@ class LabMagics(Magics):
         %lab kill RANK | %lab heal      SIGKILL a rank; replace what died and go on from the last checkpoint
         %lab tasks FN ITEMS [--timeout S]   FN(item) for each item, on whichever rank is idle
         %lab ensemble [--model gpt] [--members 4] [--vary seed|lr] [--combine mean|vote]
+        %lab start N --launcher mpi|ssh|slurm [--launcher-option K=V] [--controller-address A] [--encrypt]
+        %lab join-command      the line that makes another machine's engine join as the next rank
         %lab status | %lab timeout S | %lab restart | %lab stop
         %%lab [--ranks 0,2] [--timeout S]       run the cell on the ranks
         """
@@ -203,6 +207,7 @@ class LabMagics(Magics):
             "checkpoint": self.checkpoint,
             "kill": self.kill,
             "heal": self.heal,
+            "join-command": lambda words: join_command_line(self._require_lab()),
             "tasks": lambda words: tasks_command(self._require_lab(), words, self.shell.user_ns),
             "ensemble": lambda words: ensemble_command(self._require_lab(), words),
         }
@@ -226,7 +231,8 @@ class LabMagics(Magics):
     def start(self, words):
         options = self._start_parser.parse_args(words)
         wanted = dict(ranks=options.ranks, backend=options.backend, threads_per_rank=options.threads,
-                      oversubscribe=options.oversubscribe, check_collectives=options.check_collectives)
+                      oversubscribe=options.oversubscribe, check_collectives=options.check_collectives,
+                      **network_settings(options))
         settings = {
             key: value
             for key, value in (("timeout", options.timeout), ("start_timeout", options.start_timeout))
@@ -234,7 +240,8 @@ class LabMagics(Magics):
         }
         candidate = Lab(**wanted, **settings)  # validates before anything starts
         current = self.lab
-        if current is not None and current.running and current.plan == candidate.plan:
+        if current is not None and current.running and (current.plan, current.launcher) == (candidate.plan,
+                                                                                     candidate.launcher):
             for key, value in settings.items():
                 setattr(current, key, value)
             if current.status().healthy:

@@ -27,6 +27,7 @@ import weakref
 from dataclasses import dataclass
 
 from labkit.cluster.control import ControlRequests
+from labkit.cluster.launchers import LauncherChoice, choose_launcher
 from labkit.cluster.placement import RankPlan
 from labkit.cluster.rank_cluster import RankCluster
 from labkit.rank import entry
@@ -65,8 +66,11 @@ def _stop_at_exit(session_ref) -> None:
 class Session:
     """The ranks of one lab and everything that must change together with them."""
 
-    def __init__(self, plan: RankPlan, timeout: float, start_timeout: float, interrupt_grace: float) -> None:
+    def __init__(self, plan: RankPlan, timeout: float, start_timeout: float, interrupt_grace: float,
+                 launcher: LauncherChoice | None = None, encrypt: bool = False) -> None:
         self.plan = plan
+        self.launcher = launcher or choose_launcher()
+        self.encrypt = encrypt
         self.timeout = timeout
         self.start_timeout = start_timeout
         self.interrupt_grace = interrupt_grace
@@ -85,7 +89,8 @@ class Session:
 
     @property
     def world_size(self) -> int:
-        return self.plan.ranks
+        """The ranks now: those the launcher started, and those that joined, less those lost."""
+        return self.cluster.world_size if self.cluster is not None else self.plan.ranks
 
     @property
     def running(self) -> bool:
@@ -100,10 +105,15 @@ class Session:
                 return
             self.stop()
         began = time.monotonic()
-        cluster = RankCluster(self.plan, start_timeout=self.start_timeout)
+        cluster = RankCluster(self.plan, start_timeout=self.start_timeout, launcher=self.launcher,
+                              encrypt=self.encrypt)
         cluster.start()
+        if cluster.world_size == 0:
+            cluster.stop()
+            raise LabConfigError("the lab has no ranks: ranks=0 waits for engines that join, and none has; run "
+                                 "the join command on another machine first, or start ranks here (ranks=N)")
         self.cluster = cluster
-        self.control = ControlRequests(cluster.control_path)
+        self.control = ControlRequests()
         self._atexit = lambda ref=weakref.ref(self): _stop_at_exit(ref)
         atexit.register(self._atexit)
         try:
@@ -220,27 +230,53 @@ class Session:
         return cluster
 
     def heal(self) -> str | None:
-        """Replace every rank that cannot work (a frozen one is killed first), rebuild the group; say so.
+        """Replace every rank that cannot work (a frozen one is killed first), let waiting engines
+        join, rebuild the group; say so.
 
-        The other ranks keep their namespaces. Returns the note it printed, None when all was well."""
+        The other ranks keep their namespaces. A lost rank that joined from another machine
+        cannot be restarted from here: the lab drops it and renumbers the ranks after it.
+        Returns the note it printed, None when all was well."""
         cluster = self.require_running()
         problem = cluster.infrastructure_problem()
         if problem:
             raise LabError(f"{problem}: the lab cannot go on; call lab.restart() (or %lab restart) for fresh ranks")
         broken = cluster.broken_ranks()
-        if not broken:
+        joining = cluster.joiners()
+        if not broken and not joining:
             return None
         try:
-            cluster.replace(broken)
-            self.form_group()
+            note = self._repair(cluster, broken, joining)
         except Exception as error:  # noqa: BLE001 - whatever stops the repair, the way out is a restart
-            raise LabError(f"{format_ranks(broken)} could not be replaced ({error}); "
+            raise LabError(f"{format_ranks(broken) if broken else 'the lab'} could not be repaired ({error}); "
                            "call lab.restart() (or %lab restart)") from None
-        reasons = "; ".join(f"rank {rank} {reason}" for rank, reason in sorted(broken.items()))
-        note = (f"labkit: {reasons}. Replaced with a fresh process and rebuilt the process group (generation "
-                f"{self.generation}); the other ranks kept their variables.")
         print(note, flush=True)
         return note
+
+    def _repair(self, cluster, broken: dict[int, str], joining: list) -> str:
+        """Replace or drop ``broken`` ranks, adopt ``joining`` engines, form the group; the note to show."""
+        dropped = sorted(rank for rank in broken if cluster.records[rank].joined)
+        replaced = sorted(set(broken) - set(dropped))
+        parts = [f"rank {rank} {reason}" for rank, reason in sorted(broken.items())]
+        if replaced:
+            cluster.replace(replaced)
+            parts.append(f"replaced {format_ranks(replaced)} with fresh processes")
+        if dropped or joining:
+            hosts = sorted({info["host"] for _, info in joining})
+            cluster.resize(dropped, joining)
+            if dropped:
+                parts.append(f"dropped {format_ranks(dropped)}, which joined from another machine and cannot be "
+                             "restarted from here; the ranks after them were renumbered")
+            if joining:
+                parts.append(f"{len(joining)} engine(s) joined from {', '.join(hosts)}")
+            parts.append(f"the lab now has {self.world_size} ranks")
+            self.control.forget_ranks_from(self.world_size)
+            if self.mesh_spec is not None and self.mesh_spec.world_size != self.world_size:
+                parts.append(f"the mesh {self.mesh_spec.describe()} no longer fits and was dropped "
+                             "(set one with lab.mesh)")
+                self.mesh_spec = None
+        self.form_group()
+        return (f"labkit: {'; '.join(parts)}. The process group was rebuilt (generation {self.generation}); the "
+                "other ranks kept their variables.")
 
     def kill(self, rank) -> str:
         """SIGKILL ``rank``'s process, busy or not; say which."""
@@ -278,8 +314,12 @@ class Session:
         self.generation += 1
         self.last_training = None  # the ranks' training state lived on the old group
         limit = self.start_timeout
-        port = self.call([0], entry.open_store, (limit,), limit)[0]
-        self.call(range(self.world_size), entry.join_group, (port, self.generation, limit), limit)
+        cluster = self.require_running()
+        store_host, store_port = self.call([0], entry.open_store, (limit,), limit)[0]
+        places = {engine: {"rank": rank, "world_size": self.world_size, "store_host": store_host,
+                           "store_port": store_port} for rank, engine in cluster.engine_of.items()}
+        self.call(range(self.world_size), entry.join_group, (places, self.generation, limit), limit)
+        self.control.attach(store_host, store_port)
         if self.link is not None:  # replaced ranks get it too; the others put it on their new world group
             self.call(range(self.world_size), entry.set_link, (self.link,), limit)
         if self.mesh_spec is not None:
@@ -310,19 +350,24 @@ class Session:
     def recover(self, work: RankWork) -> str:
         """After failed work: rebuild the process group so the next call works; say what was done."""
         cluster = self.require_running()
-        dead = [rank for rank in range(self.world_size) if not cluster.is_alive(rank)]
+        dead = {rank: reason for rank in cluster.ranks if (reason := cluster.condition(rank)) is not None}
+        dropped = [rank for rank in dead if cluster.records[rank].joined]
         if dead:
-            cluster.replace(dead)
-        try:
-            self.form_group()
-        except LabError:
-            # Some rank cannot even rejoin: start it afresh and try once more.
-            cluster.replace(range(self.world_size))
-            self.form_group()
-        replaced = sorted(set(dead) | set(work.replaced))
+            self._repair(cluster, dead, [])
+        else:
+            try:
+                self.form_group()
+            except LabError:
+                # Some rank cannot even rejoin: start it afresh and try once more.
+                cluster.replace([rank for rank in cluster.ranks if not cluster.records[rank].joined])
+                self.form_group()
+        replaced = sorted((set(dead) - set(dropped)) | set(work.replaced))
         note = f"The process group was rebuilt (generation {self.generation})"
         if self.mesh_spec is not None:
             note += f" with mesh {self.mesh_spec.describe()}"
         if replaced:
             note += f"; {format_ranks(replaced)} restarted with empty namespaces"
+        if dropped:
+            note += (f"; {format_ranks(dropped)} (joined from another machine) could not be restarted and were "
+                     f"dropped: the lab now has {self.world_size} ranks")
         return note + "; the lab is ready for the next cell."

@@ -9,15 +9,16 @@ def test_cpu_machine_defaults_to_gloo():
     plan = plan_ranks(4, gpus=(), cpu_count=2)
     assert plan.backend == "gloo" and plan.device_type == "cpu"
     assert plan.threads_per_rank == 1
-    assert [env["LABKIT_RANK"] for env in plan.env_per_rank] == ["0", "1", "2", "3"]
-    assert all(env["CUDA_VISIBLE_DEVICES"] == "" for env in plan.env_per_rank)
-    assert all(env["LABKIT_STORE_HOST"] == "127.0.0.1" for env in plan.env_per_rank)
+    assert all(plan.launch_environment(rank, f"rank{rank}")["CUDA_VISIBLE_DEVICES"] == "" for rank in range(4))
+    assert plan.controller_address == "127.0.0.1" and plan.interface is None  # loopback: one machine
+    settings = plan.settings(2, 4, 2, 4, 0, 1, controller_ports={5, 6})
+    assert settings["rank"] == 2 and settings["controller_ports"] == [5, 6] and settings["threads"] == 1
 
 
 def test_gpus_default_to_nccl_one_rank_per_gpu():
     plan = plan_ranks(2, gpus=("0", "1", "2"))
     assert plan.backend == "nccl" and plan.device_type == "cuda"
-    assert [env["CUDA_VISIBLE_DEVICES"] for env in plan.env_per_rank] == ["0", "1"]
+    assert [plan.launch_environment(rank, "x")["CUDA_VISIBLE_DEVICES"] for rank in range(2)] == ["0", "1"]
 
 
 def test_gloo_can_be_chosen_on_a_gpu_machine():
@@ -43,10 +44,15 @@ def test_refusal_with_one_gpu_says_rank_not_ranks():
     assert "ask for at most 1 rank, or use backend='gloo'" in message
 
 
-@pytest.mark.parametrize("ranks", [0, -1, 2.5, "4", True])
-def test_rank_count_must_be_positive_integer(ranks):
-    with pytest.raises(DeviceError, match="positive integer"):
+@pytest.mark.parametrize("ranks", [-1, 2.5, "4", True])
+def test_rank_count_must_be_a_whole_number(ranks):
+    with pytest.raises(DeviceError, match="whole number >= 0"):
         plan_ranks(ranks, gpus=())
+
+
+def test_no_ranks_here_is_only_for_a_lab_that_others_can_join():
+    with pytest.raises(DeviceError, match="at least 1: a lab of 0 ranks here is only for engines that join"):
+        plan_ranks(0, gpus=(), cpu_count=2)
 
 
 def test_unknown_backend_and_bad_threads():

@@ -1,6 +1,8 @@
 """%lab and %%lab through IPython's own shell, on a real 2-rank lab."""
 
 import pytest
+
+from labkit.spec.errors import LabConfigError
 from IPython.core.error import UsageError
 
 from labkit import DeviceError, Lab, MeshError, RankFailure
@@ -31,8 +33,20 @@ def test_cell_magic_without_a_lab_says_how_to_start(shell):
 
 
 def test_bad_start_arguments_are_refused_before_starting(shell):
-    with pytest.raises(DeviceError, match="positive integer"):
+    with pytest.raises(DeviceError, match="at least 1"):
         shell.run_line_magic("lab", "start 0")
+    with pytest.raises(LabConfigError, match="unknown launcher 'mpich': choose one of .*mpi.*slurm"):
+        shell.run_line_magic("lab", "start 2 --launcher mpich")
+    with pytest.raises(LabConfigError, match="the mpi launcher has no option mpi_argz; its options are: .*mpi_args"):
+        shell.run_line_magic("lab", "start 2 --launcher mpi --launcher-option mpi_argz=[]")
+    with pytest.raises(UsageError, match="expected KEY=VALUE"):
+        shell.run_line_magic("lab", "start 2 --launcher mpi --launcher-option mpi_args")
+    with pytest.raises(LabConfigError, match="controller_address is an IPv4 address"):
+        shell.run_line_magic("lab", "start 2 --controller-address nowhere")
+    with pytest.raises(LabConfigError, match="203.0.113.7 is not an address of this machine"):
+        shell.run_line_magic("lab", "start 2 --controller-address 203.0.113.7")
+    with pytest.raises(LabConfigError, match="no IPv4 interface 'eth99'"):
+        shell.run_line_magic("lab", "start 2 --interface eth99")
     with pytest.raises(DeviceError, match="nccl needs GPUs"):
         shell.run_line_magic("lab", "start 2 --backend nccl")
     with pytest.raises(UsageError, match="invalid choice"):
@@ -114,3 +128,8 @@ def test_slow_bench_and_dashboard_magics(started, capsys):
     assert list(run.dashboard._loss_line.get_xdata()) == [0, 1, 2]
     assert list(run.dashboard._loss_line.get_ydata()) == pytest.approx(report.losses)
     assert run.dashboard.image.value[:3] == b"\xff\xd8\xff"  # a JPEG frame
+
+
+def test_join_command_of_a_loopback_lab_says_which_address_to_use(started):
+    with pytest.raises(LabConfigError, match="listens on loopback only.*controller_address"):
+        started.run_line_magic("lab", "join-command")

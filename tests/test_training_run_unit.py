@@ -39,7 +39,7 @@ class FakeSession:
     generation = 1
 
     def __init__(self, reports, failed=False):
-        self.control = ControlRequests(None)
+        self.control = ControlRequests()
         self.reports, self.failed = reports, failed
         self.last_training = None
         self.released = 0

@@ -2,35 +2,58 @@
 
 A training step cannot be interrupted without breaking a collective, so the
 notebook never signals a run to stop: it writes its requests where every rank
-looks at each step boundary (``labkit.rank.control`` reads them). On one machine
-that is a small JSON file in the lab's private directory, replaced atomically by
-rename so a rank never reads half of it.
+looks between steps (``labkit.rank.control`` reads them). That place is the
+process group's own rendezvous store, served by rank 0 on the lab's network:
+it reaches every rank wherever its host is, and it needs no file shared
+between machines. The notebook writes the whole request as one JSON value, then
+bumps a version counter, so a rank that sees the new version reads a complete
+request.
+
+The notebook connects to the store only when it has something to say: a lab
+that never stops a run early nor slows a rank never loads torch here.
 """
 
 from __future__ import annotations
 
 import json
-import os
+import socket
+from datetime import timedelta
 
-from labkit.spec.errors import LabConfigError
+from labkit.spec.errors import LabConfigError, LabError
 
-# The file's keys, shared with ``labkit.rank.control``.
+# Keys in the store, shared with ``labkit.rank.control``.
+REQUEST_KEY = "labkit/control"
+VERSION_KEY = "labkit/control/version"
 STOP_KEY = "stop"
 SLOW_KEY = "slow"
+# The store answers in microseconds when rank 0 is well; a frozen rank 0 must not freeze the notebook.
+WRITE_TIMEOUT_SECONDS = 5.0
 
 
 class ControlRequests:
-    """What the notebook currently asks of running work, and where the ranks read it."""
+    """What the notebook currently asks of running work, and the store where the ranks read it."""
 
-    def __init__(self, path: str | None = None) -> None:
-        self.path = path
+    def __init__(self) -> None:
         self.stop = False
         self.slow: dict[int, float] = {}
+        self.address: tuple[str, int] | None = None
+        self._client = None
 
     def as_request(self) -> dict:
         return {STOP_KEY: self.stop, SLOW_KEY: {str(rank): seconds for rank, seconds in self.slow.items()}}
 
+    def attach(self, host: str | None, port: int | None) -> None:
+        """The ranks' store is now at ``host:port`` (a new process group); None: no ranks.
+
+        A fresh store holds no requests: the standing ones (slowdowns) are written again."""
+        self._client = None
+        self.address = None if host is None else (host, int(port))
+        if self.address is not None and (self.stop or self.slow):
+            self.write()
+
     def request_stop(self, stop: bool = True) -> None:
+        if bool(stop) == self.stop:
+            return  # nothing changes: do not touch the store (a run's start and end call this)
         self.stop = bool(stop)
         self.write()
 
@@ -51,11 +74,32 @@ class ControlRequests:
         self.write()
         return message
 
+    def forget_ranks_from(self, world_size: int) -> None:
+        """The lab shrank: requests for ranks that no longer exist go."""
+        self.slow = {rank: seconds for rank, seconds in self.slow.items() if rank < world_size}
+
     def write(self) -> None:
-        """Replace the file in one step (a no-op before the ranks exist)."""
-        if self.path is None or not os.path.isdir(os.path.dirname(self.path)):
+        """Put the request in the store (a no-op while no ranks are attached)."""
+        if self.address is None:
             return
-        partial = f"{self.path}.{os.getpid()}.tmp"
-        with open(partial, "w") as handle:
-            json.dump(self.as_request(), handle)
-        os.replace(partial, self.path)
+        try:
+            client = self._connect()
+            client.set(REQUEST_KEY, json.dumps(self.as_request()))
+            client.add(VERSION_KEY, 1)
+        except (RuntimeError, OSError) as error:  # torch's DistError is a RuntimeError
+            self._client = None
+            host, port = self.address
+            raise LabError(f"the request could not reach the ranks' store at {host}:{port} ({error}); "
+                           "rank 0 may be frozen or gone: %lab status tells, lab.heal() replaces it") from None
+
+    def _connect(self):
+        if self._client is None:
+            host, port = self.address
+            # torch's client retries a refused connection until its timeout: a plain connect first says
+            # at once that nothing listens there (rank 0 died).
+            socket.create_connection((host, port), timeout=WRITE_TIMEOUT_SECONDS).close()
+            import torch.distributed as dist  # only a lab that sends requests pays for it
+
+            self._client = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
+                                         timeout=timedelta(seconds=WRITE_TIMEOUT_SECONDS))
+        return self._client

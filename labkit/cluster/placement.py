@@ -1,6 +1,6 @@
 """Which backend and which device each rank gets, decided before anything starts.
 
-Pure logic plus two cheap probes (``visible_gpus``, ``loopback_interface``); it
+Pure logic plus cheap probes (``visible_gpus``, the machine's addresses); it
 never imports torch, so the notebook can refuse a bad request in milliseconds.
 """
 
@@ -9,11 +9,11 @@ from __future__ import annotations
 import glob
 import os
 import shutil
-import socket
 import subprocess
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from labkit.spec.errors import LabConfigError
+from labkit.spec.network import LOOPBACK_ADDRESS, address_of, check_ipv4, interface_of
 
 BACKENDS = ("gloo", "nccl")
 # What one rank needs of the machine. Measured on the 2-core development machine (gloo, torch
@@ -31,24 +31,61 @@ class DeviceError(LabConfigError):
 
 @dataclass(frozen=True)
 class RankPlan:
-    """How every rank of a lab is placed: backend, threads, per-rank environment."""
+    """How every rank of a lab is placed: backend, threads, network, and each rank's settings."""
 
     backend: str
-    ranks: int
-    threads_per_rank: int
+    ranks: int  # how many the launcher starts; engines that join add to them
+    threads_per_rank: int | None  # None: each rank's host decides (its cores over its ranks)
     check_collectives: bool = False
-    gpus: tuple[str, ...] = ()
-    env_per_rank: tuple[dict, ...] = field(default_factory=tuple)
+    gpus: tuple[str, ...] = ()  # on this machine: the GPU each rank is pinned to
+    controller_address: str = LOOPBACK_ADDRESS
+    interface: str | None = None  # None: each rank uses the interface that reaches the controller
+    ranks_per_host: int | None = None
+    on_this_machine: bool = True
 
     @property
     def device_type(self) -> str:
         return "cuda" if self.backend == "nccl" else "cpu"
 
     def describe(self) -> str:
+        where = "" if self.controller_address == LOOPBACK_ADDRESS else f", controller at {self.controller_address}"
         if self.backend == "nccl":
-            return f"{self.ranks} ranks, nccl, one GPU each ({', '.join(self.gpus)})"
+            gpus = f" ({', '.join(self.gpus)})" if self.gpus else ""
+            return f"{self.ranks} ranks, nccl, one GPU each{gpus}{where}"
         checked = ", collectives checked" if self.check_collectives else ""
-        return f"{self.ranks} ranks, gloo on CPU, {self.threads_per_rank} thread(s) each{checked}"
+        threads = "" if self.threads_per_rank is None else f", {self.threads_per_rank} thread(s) each"
+        return f"{self.ranks} ranks, gloo on CPU{threads}{checked}{where}"
+
+    def launch_environment(self, rank: int | None, slot: str) -> dict[str, str]:
+        """What a launched engine's environment carries: how it came, and on this machine its GPU.
+
+        ``rank``: the rank an engine of the lab's own launcher will become (None for other launchers)."""
+        env = {"LABKIT_SLOT": slot}
+        if self.on_this_machine and rank is not None:
+            # A gloo rank must never grab a GPU by accident; an nccl rank sees its own.
+            env["CUDA_VISIBLE_DEVICES"] = self.gpus[rank] if self.backend == "nccl" else ""
+        return env
+
+    def settings(self, rank: int, world_size: int, local_rank: int, local_world_size: int,
+                 host_index: int, host_count: int, controller_ports=()) -> dict:
+        """Everything an engine needs to become ``rank`` (``labkit.rank.entry.become_rank``)."""
+        threads = self.threads_per_rank
+        if threads is None:
+            threads = max(1, (os.cpu_count() or 1) // max(1, local_world_size))
+        return {
+            "rank": rank,
+            "world_size": world_size,
+            "backend": self.backend,
+            "threads": threads,
+            "check_collectives": self.check_collectives,
+            "controller_address": self.controller_address,
+            "interface": self.interface,
+            "controller_ports": sorted(controller_ports),
+            "local_rank": local_rank,
+            "local_world_size": local_world_size,
+            "host_index": host_index,
+            "host_count": host_count,
+        }
 
 
 def visible_gpus(environ=os.environ) -> tuple[str, ...]:
@@ -66,15 +103,6 @@ def visible_gpus(environ=os.environ) -> tuple[str, ...]:
         except (OSError, subprocess.SubprocessError):
             count = 0
     return tuple(str(index) for index in range(count))
-
-
-def loopback_interface() -> str:
-    """The name of the loopback interface ('lo' on Linux, 'lo0' on macOS)."""
-    names = {name for _, name in socket.if_nameindex()}
-    for candidate in ("lo", "lo0"):
-        if candidate in names:
-            return candidate
-    return "lo"
 
 
 def _count(number: int, noun: str) -> str:
@@ -114,25 +142,41 @@ def plan_ranks(
     gpus: tuple[str, ...] | None = None,
     threads_per_rank: int | None = None,
     cpu_count: int | None = None,
-    store_host: str = "127.0.0.1",
-    interface: str | None = None,
     oversubscribe: bool = False,
     available_memory: int | None = None,
     check_collectives: bool = False,
+    controller_address: str | None = None,
+    interface: str | None = None,
+    ranks_per_host: int | None = None,
+    on_this_machine: bool = True,
 ) -> RankPlan:
-    """Check a request against the machine and decide each rank's environment.
+    """Check a request against the machine and decide how ranks are placed.
 
     With GPUs visible the default is nccl, one rank per GPU; without them gloo on
     CPU. Asking for nccl without GPUs, for more nccl ranks than GPUs, or for more
     ranks than the machine's memory and cores hold (unless ``oversubscribe``)
-    raises ``DeviceError`` with what to do instead.
+    raises ``DeviceError`` with what to do instead. Ranks started elsewhere (a
+    launcher other than the lab's own, ``on_this_machine=False``) are checked
+    where they start: this machine's GPUs, cores and memory do not limit them.
     """
-    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
-        raise DeviceError(f"ranks must be a positive integer, got {ranks!r}")
+    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 0:
+        raise DeviceError(f"ranks must be a whole number >= 0 (0: only engines that join), got {ranks!r}")
     for name, flag in (("oversubscribe", oversubscribe), ("check_collectives", check_collectives)):
         if not isinstance(flag, bool):
             raise DeviceError(f"{name} is True or False, got {flag!r}")
-    gpus = visible_gpus() if gpus is None else tuple(gpus)
+    if ranks_per_host is not None and (isinstance(ranks_per_host, bool) or not isinstance(ranks_per_host, int)
+                                       or ranks_per_host < 1):
+        raise DeviceError(f"ranks_per_host must be a positive integer (GPUs per host for nccl), got {ranks_per_host!r}")
+    controller_address = LOOPBACK_ADDRESS if controller_address is None else check_ipv4(controller_address,
+                                                                                         "controller_address")
+    interface_of(controller_address)  # the controller listens there: it must be this machine's
+    if ranks == 0 and controller_address == LOOPBACK_ADDRESS:
+        raise DeviceError("ranks must be at least 1: a lab of 0 ranks here is only for engines that join from other "
+                          "machines, which needs controller_address set to this machine's address they reach")
+    if interface is not None:
+        if on_this_machine:
+            address_of(interface)
+    gpus = (visible_gpus() if on_this_machine else ()) if gpus is None else tuple(gpus)
     if backend is None:
         backend = "nccl" if gpus else "gloo"
     if not isinstance(backend, str):
@@ -140,7 +184,7 @@ def plan_ranks(
     backend = backend.lower()
     if backend not in BACKENDS:
         raise DeviceError(f"unknown backend {backend!r}: choose one of {', '.join(BACKENDS)}")
-    if backend == "nccl":
+    if backend == "nccl" and on_this_machine:
         if not gpus:
             raise DeviceError(
                 "nccl needs GPUs and none are visible to this process "
@@ -152,38 +196,46 @@ def plan_ranks(
                 f"({', '.join(gpus)}); ask for at most {_count(len(gpus), 'rank')}, or use backend='gloo'"
             )
     cpu_count = cpu_count or os.cpu_count() or 1
-    if not oversubscribe:
+    if on_this_machine and not oversubscribe:
         check_capacity(ranks, cpu_count, _available_memory() if available_memory is None else available_memory)
-    if threads_per_rank is None:
-        threads_per_rank = max(1, cpu_count // ranks)
-    if isinstance(threads_per_rank, bool) or not isinstance(threads_per_rank, int) or threads_per_rank < 1:
+    if threads_per_rank is None and on_this_machine:
+        threads_per_rank = max(1, cpu_count // max(1, ranks))
+    if threads_per_rank is not None and (isinstance(threads_per_rank, bool) or not isinstance(threads_per_rank, int)
+                                         or threads_per_rank < 1):
         raise DeviceError(f"threads_per_rank must be a positive integer, got {threads_per_rank!r}")
-    interface = interface or loopback_interface()
-    env_per_rank = []
-    for rank in range(ranks):
-        env = {
-            "LABKIT_RANK": str(rank),
-            "LABKIT_WORLD_SIZE": str(ranks),
-            "LABKIT_BACKEND": backend,
-            "LABKIT_THREADS": str(threads_per_rank),
-            "LABKIT_STORE_HOST": store_host,
-            "OMP_NUM_THREADS": str(threads_per_rank),
-            # gloo and nccl open their data sockets on this interface only.
-            "GLOO_SOCKET_IFNAME": interface,
-            "NCCL_SOCKET_IFNAME": interface,
-            # A gloo rank must never grab a GPU by accident; an nccl rank sees its own.
-            "CUDA_VISIBLE_DEVICES": gpus[rank] if backend == "nccl" else "",
-        }
-        if check_collectives:
-            # torch checks every collective's kind, shapes and dtypes across ranks before running it
-            # (one more small collective each) and names the ranks that differ.
-            env["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
-        env_per_rank.append(env)
     return RankPlan(
         backend=backend,
         ranks=ranks,
         threads_per_rank=threads_per_rank,
         check_collectives=check_collectives,
         gpus=gpus[:ranks] if backend == "nccl" else (),
-        env_per_rank=tuple(env_per_rank),
+        controller_address=controller_address,
+        interface=interface,
+        ranks_per_host=ranks_per_host,
+        on_this_machine=on_this_machine,
     )
+
+
+def host_layout(hosts: list[str]) -> list[tuple[int, int, int, int]]:
+    """For ranks living on ``hosts`` (one host name per rank, in rank order): each rank's
+    (local_rank, local_world_size, host_index, host_count), as torchrun numbers them."""
+    order = list(dict.fromkeys(hosts))  # hosts by their first rank
+    seen: dict[str, int] = {}
+    layout = []
+    for host in hosts:
+        local = seen.get(host, 0)
+        seen[host] = local + 1
+        layout.append((local, hosts.count(host), order.index(host), len(order)))
+    return layout
+
+
+def check_host_places(backend: str, hosts: list[str], gpus_seen: list[int], ranks_per_host: int | None,
+                      pinned: bool) -> None:
+    """Refuse a placement nccl cannot run: more ranks on a host than ``ranks_per_host``, or than its GPUs."""
+    for rank, ((local, count, _, _), host, gpus) in enumerate(zip(host_layout(hosts), hosts, gpus_seen)):
+        if ranks_per_host is not None and count > ranks_per_host:
+            raise DeviceError(f"host {host} has {count} ranks, ranks_per_host is {ranks_per_host}: start fewer "
+                              "ranks there (the launcher's own options place them) or raise ranks_per_host")
+        if backend == "nccl" and not pinned and local >= gpus:
+            raise DeviceError(f"rank {rank} is rank {local} on host {host}, which shows {_count(gpus, 'GPU')}: "
+                              "nccl runs one rank per GPU; start at most one rank per GPU on each host")

@@ -1,14 +1,25 @@
-"""The ipyparallel cluster behind a lab: one controller and one engine set per rank.
+"""The ipyparallel cluster behind a lab: one controller, engines from a launcher, engines that joined.
 
-``RankCluster`` starts the process host, the controller and one engine per rank,
-all bound to loopback and all inside a private working directory (mode 0700, so
-connection files are readable by their owner only). It waits for the ranks with
-a deadline, knows which engine and process is which rank, can signal or replace
-a single rank, and on ``stop()`` leaves no process and no listening port behind.
+``RankCluster`` starts the process host and the controller on this machine,
+inside a private working directory (mode 0700), bound to the lab's controller
+address (loopback unless the lab spans machines). Engines come from the
+launcher the lab was given: the lab's own ("hosted": forked from the process
+host, one engine set per rank, so one rank can be replaced alone) or one of
+ipyparallel's (MPI, SSH, Slurm, ...: one engine set for the ranks started
+together). Engines started elsewhere by ``python -m labkit join`` wait in a pool
+and become ranks at the next start or heal.
+
+An engine does not know its rank when it starts: as engines register, the
+cluster gives them ranks (``entry.become_rank``), numbering the ranks of a host
+together as torchrun does. It knows which engine and process is which rank,
+signals a rank through ipyparallel (its launcher, or the engine's nanny for
+engines started elsewhere), tells why a rank cannot work (``cluster.health``),
+and on ``stop()`` leaves no process and no listening port behind.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -17,71 +28,67 @@ import tempfile
 import time
 
 import ipyparallel
-import psutil
 from IPython.core.profiledir import ProfileDir
 
-from labkit.rank import entry as rank_entry
-from labkit.cluster.placement import RankPlan
-from labkit.cluster.workdir import WORKDIR_PREFIX, owner_only, remove_stale_workdirs, write_owner
-from labkit.spec.errors import LabError, StartupError, describe_exit, format_ranks
-from labkit.cluster.hosted.launchers import HostedControllerLauncher, HostedEngineLauncher
+from labkit.cluster import engines, health
 from labkit.cluster.hosted.host_client import HostError, ProcessHost
+from labkit.cluster.hosted.launchers import HostedControllerLauncher
+from labkit.cluster.launchers import LauncherChoice, choose_launcher
+from labkit.cluster.placement import RankPlan
+from labkit.cluster.engines import JOINED, RankRecord
+from labkit.cluster.workdir import WORKDIR_PREFIX, owner_only, remove_stale_workdirs, write_owner
+from labkit.spec.errors import LabError, StartupError, format_ranks
 
-LOOPBACK = "127.0.0.1"
 _ENGINE_STARTUP = "__import__('labkit.rank.entry').rank.entry.install()"
-_LOG_TAIL_LINES = 15
 HEARTBEAT_MS = 200
 
 
-def _log_tail(path: str) -> str:
-    try:
-        with open(path, errors="replace") as log:
-            lines = log.read().splitlines()
-    except OSError:
-        return ""
-    return "\n".join(lines[-_LOG_TAIL_LINES:])
-
-
-def _gone(pid: int) -> bool:
-    """Exited, even if its parent has not collected it yet (a zombie)."""
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
-
-
 class RankCluster:
-    """Controller, engines and process host of one lab; ranks addressable by id."""
+    """Controller, engines and process host of one lab; ranks addressable by number."""
 
-    def __init__(self, plan: RankPlan, start_timeout: float = 60.0, logger: logging.Logger | None = None):
+    def __init__(self, plan: RankPlan, start_timeout: float = 60.0, logger: logging.Logger | None = None,
+                 launcher: LauncherChoice | None = None, encrypt: bool = False):
         self.plan = plan
         self.start_timeout = start_timeout
+        self.launcher = launcher or choose_launcher()
+        self.encrypt = encrypt
         self.log = logger or logging.getLogger("labkit.cluster")
         self.workdir: str | None = None
         self.host: ProcessHost | None = None
         self.cluster: ipyparallel.Cluster | None = None
         self.client: ipyparallel.Client | None = None
-        self.engine_of: dict[int, int] = {}  # rank -> ipyparallel engine id
-        self.pid_of: dict[int, int] = {}  # rank -> process id
-        self.retired_engines: set[int] = set()  # engine ids of replaced ranks, maybe not yet unregistered
+        self.records: dict[int, RankRecord] = {}
+        self.retired_engines: set[int] = set()  # engines of replaced or dropped ranks, maybe not yet unregistered
         self.capabilities: dict = {}
+        self._settings: dict[int, dict] = {}  # rank -> what it was told when it became one
+        self.sets_started = 0
 
-    # -- paths --------------------------------------------------------------
+    # -- paths and addresses ------------------------------------------------------
 
     @property
     def profile_dir(self) -> str:
         assert self.workdir is not None
         return os.path.join(self.workdir, "profile")
 
-    @property
-    def control_path(self) -> str:
-        """The file through which the notebook asks ranks to stop or slow down (see instruments)."""
-        assert self.workdir is not None
-        return os.path.join(self.workdir, "control.json")
-
     def log_path(self, rank: int | None = None) -> str:
         name = "host.log" if rank is None else f"rank{rank}.log"
         return os.path.join(self.profile_dir, "log", name)
+
+    def engine_connection(self) -> dict:
+        """What an engine needs to reach the controller (ipyparallel's engine connection file)."""
+        security = os.path.join(self.profile_dir, "security")
+        name = next(name for name in os.listdir(security) if name.endswith("engine.json"))
+        with open(os.path.join(security, name)) as handle:
+            return json.load(handle)
+
+    def controller_ports(self) -> set[int]:
+        """Every port the controller listens on: a failing rank keeps its connections to them."""
+        ports = set()
+        for value in self.engine_connection().values():
+            for port in value if isinstance(value, list) else [value]:
+                if isinstance(port, int) and not isinstance(port, bool):
+                    ports.add(port)
+        return ports
 
     # -- start ----------------------------------------------------------------
 
@@ -108,18 +115,23 @@ class RankCluster:
         ProfileDir.create_profile_dir(self.profile_dir)
         owner_only(self.workdir)
         self.host = ProcessHost(self.log_path()).start()
+        controller_args = [
+            "--nodb",
+            "--log-level=WARN",
+            # The hub admits an engine at its first heartbeat: a short period
+            # makes a new rank usable in a fraction of a second, not ~3 s.
+            f"--HeartMonitor.period={HEARTBEAT_MS}",
+        ]
+        if self.encrypt:
+            controller_args.append("--IPController.enable_curve=True")  # CurveZMQ on every socket
         self.cluster = ipyparallel.Cluster(
             profile_dir=self.profile_dir,
-            controller_ip=LOOPBACK,
-            controller_args=[
-                "--nodb",
-                "--log-level=WARN",
-                # The hub admits an engine at its first heartbeat: a short period
-                # makes a new rank usable in a fraction of a second, not ~3 s.
-                f"--HeartMonitor.period={HEARTBEAT_MS}",
-            ],
+            controller_ip=self.plan.controller_address,
+            controller_args=controller_args,
             controller_launcher_class=HostedControllerLauncher,
-            engine_launcher_class=HostedEngineLauncher,
+            engine_launcher_class=self.launcher.engine_class,
+            config=self.launcher.config(),
+            send_engines_connection_env=True,  # engines elsewhere need no file from this machine
             delay=0,
             cluster_file="",
             shutdown_atexit=False,  # the Lab stops the cluster itself, host included
@@ -127,11 +139,12 @@ class RankCluster:
             engine_timeout=int(self.start_timeout),
         )
         self.cluster.start_controller_sync(host=self.host, spawn_timeout=self._left(deadline))
-        self._check_capabilities(deadline)
-        for rank in range(self.plan.ranks):
-            self._start_rank(rank, deadline)
+        if self.launcher.on_this_machine:
+            self._check_capabilities(deadline)
+        self._launch(list(range(self.plan.ranks)), deadline)
         self.client = self.cluster.connect_client_sync()
-        self._wait_for_ranks(set(range(self.plan.ranks)), deadline)
+        engines = self._wait_for_engines(self.plan.ranks, deadline) + self.joiners()
+        self._assign(engines, list(range(len(engines))), deadline)
         self.host.warm()  # while the first cells run: a rank that replaces one later starts warm
 
     @staticmethod
@@ -145,12 +158,12 @@ class RankCluster:
         except TimeoutError:
             raise StartupError(
                 f"torch did not finish importing within {self.start_timeout:g} s "
-                f"(start_timeout); process host log:\n{_log_tail(self.log_path())}"
+                f"(start_timeout); process host log:\n{health.log_tail(self.log_path())}"
             ) from None
         except HostError:
             raise StartupError(
                 "the process host could not import torch and ipyparallel; "
-                f"its log says:\n{_log_tail(self.log_path())}"
+                f"its log says:\n{health.log_tail(self.log_path())}"
             ) from None
         if self.plan.backend == "nccl" and not (self.capabilities["cuda_build"] and self.capabilities["nccl"]):
             raise StartupError(
@@ -160,86 +173,69 @@ class RankCluster:
 
     def _engine_args(self) -> list[str]:
         return [
-            "--IPEngine.enable_nanny=False",  # one process per rank; the lab signals ranks itself
+            # The lab's own engines are signalled through their launcher (one process each); engines
+            # elsewhere through ipyparallel's nanny beside each, which also reports their exit at once.
+            f"--IPEngine.enable_nanny={not self.launcher.hosted}",
             f"--IPEngine.startup_command={_ENGINE_STARTUP}",
             "--log-level=WARN",
         ]
 
-    def _start_rank(self, rank: int, deadline: float) -> None:
+    def _launch(self, ranks: list[int], deadline: float, together: bool = True) -> None:
+        """Start engines for ``ranks``: one set each with the lab's launcher; with another, one set for
+        all (``together``: a start) or one set each (a replacement: under MPI a set's engines ask for
+        their MPI rank as engine id, which the engines still registered may hold)."""
+        if not ranks:
+            return
         assert self.cluster is not None
-        self.cluster.start_engines_sync(
-            n=1,
-            engine_set_id=f"rank{rank}",
-            host=self.host,
-            spawn_timeout=self._left(deadline),
-            environment={**self.plan.env_per_rank[rank], "LABKIT_CONTROL": self.control_path},
-            engine_args=self._engine_args(),
-            output_file=self.log_path(rank),
-        )
-        launcher = self.cluster.engines[f"rank{rank}"]
-        self.pid_of[rank] = launcher.pid
+        if self.launcher.hosted:
+            for rank in ranks:
+                self.cluster.start_engines_sync(
+                    n=1, engine_set_id=f"rank{rank}", host=self.host, spawn_timeout=self._left(deadline),
+                    environment=self.plan.launch_environment(rank, f"rank{rank}"), engine_args=self._engine_args(),
+                    output_file=self.log_path(rank))
+            return
+        for group in [ranks] if together else [[rank] for rank in ranks]:
+            self.sets_started += 1
+            engine_set = f"ranks{self.sets_started}"
+            options = {"environment": {**self.launcher.options.get("environment", {}),
+                                       **self.plan.launch_environment(None, f"set:{engine_set}")},
+                       "engine_args": [*self.launcher.options.get("engine_args", []), *self._engine_args()]}
+            if "output_file" in self.launcher.engine_class.class_trait_names():
+                options["output_file"] = self.log_path(group[0])
+            self.cluster.start_engines_sync(n=len(group), engine_set_id=engine_set, **options)
 
-    def _wait_for_ranks(self, ranks: set[int], deadline: float) -> None:
-        """Wait until every rank in ``ranks`` has registered; map ranks to engine ids."""
-        assert self.client is not None
-        seen = set(self.engine_of.values()) | self.retired_engines
-        waiting = set(ranks)
-        while waiting:
-            new_ids = [engine for engine in self.client.ids if engine not in seen]
-            if new_ids:
-                seen.update(new_ids)
-                for engine in new_ids:
-                    try:
-                        info = self.client[engine].apply_sync(rank_entry.identity)
-                    except Exception:  # an engine that died after registering
-                        continue
-                    if info["rank"] in waiting:
-                        self.engine_of[info["rank"]] = engine
-                        self.pid_of[info["rank"]] = info["pid"]
-                        waiting.discard(info["rank"])
-                continue
-            dead = self._dead_ranks(waiting)
-            if dead or time.monotonic() > deadline:
-                raise StartupError(self._startup_failure(waiting, dead))
-            time.sleep(0.02)
+    def _wait_for_engines(self, count: int, deadline: float) -> list[tuple[int, dict]]:
+        return engines.wait_for_launched(self, count, deadline)
 
-    def _dead_ranks(self, ranks) -> dict[int, int | None]:
-        dead = {}
-        for rank in ranks:
-            pid = self.pid_of.get(rank)
-            if pid is None:
-                continue
-            if self.host and pid in self.host.exit_codes:
-                dead[rank] = self.host.exit_codes[pid]
-            elif not psutil.pid_exists(pid):
-                dead[rank] = None
-        return dead
+    def joiners(self) -> list[tuple[int, dict]]:
+        """Engines that joined with ``python -m labkit join`` and wait to become ranks."""
+        return engines.joiners(self)
 
-    def _startup_failure(self, missing: set[int], dead: dict[int, int | None]) -> str:
-        lines = []
-        if dead:
-            codes = ", ".join(f"rank {r}: exit code {c}" for r, c in sorted(dead.items()))
-            lines.append(f"{format_ranks(dead)} exited while starting ({codes})")
-        slow = sorted(set(missing) - set(dead))
-        if slow:
-            lines.append(f"{format_ranks(slow)} did not register within {self.start_timeout:g} s (start_timeout)")
-        for rank in sorted(missing)[:2]:
-            tail = _log_tail(self.log_path(rank))
-            if tail:
-                lines.append(f"last lines of rank {rank}'s log:\n{tail}")
-        lines.append("Nothing was left running. Try again with a longer start_timeout, or fewer ranks.")
-        return "\n".join(lines)
+    def _assign(self, found: list[tuple[int, dict]], ranks: list[int], deadline: float) -> None:
+        self._settings.update(engines.assign(self, found, ranks, deadline))
 
     # -- addressing ranks ---------------------------------------------------
 
     @property
+    def world_size(self) -> int:
+        return len(self.records)
+
+    @property
     def ranks(self) -> list[int]:
-        return sorted(self.engine_of)
+        return sorted(self.records)
+
+    @property
+    def engine_of(self) -> dict[int, int]:
+        return {rank: record.engine for rank, record in self.records.items()}
+
+    @property
+    def pid_of(self) -> dict[int, int]:
+        return {rank: record.pid for rank, record in self.records.items()}
 
     def engine(self, rank: int):
         """A view on one rank: its results come back as single values."""
         assert self.client is not None
-        return self.client[self.engine_of[rank]]
+        return self.client[self.records[rank].engine]
 
     def call(self, ranks, function, args, timeout: float) -> list:
         """``function(*args)`` on ``ranks``; results in order, or a LabError naming the rank that failed."""
@@ -262,118 +258,106 @@ class RankCluster:
             raise LabError(f"{format_ranks(stuck)} did not finish {function.__name__} within {timeout:g} s")
         return results
 
+    # -- health, signals ---------------------------------------------------------
+
     def condition(self, rank: int) -> str | None:
         """None while the rank can work; else why it cannot, in words (exited, frozen, lost)."""
-        pid = self.pid_of.get(rank)
-        if pid is None:
-            return "has no process"
-        if self.host and pid in self.host.exit_codes:
-            return f"exited ({describe_exit(self.host.exit_codes[pid])})"
-        try:
-            status = psutil.Process(pid).status()
-        except psutil.NoSuchProcess:
-            status = psutil.STATUS_ZOMBIE
-        if status == psutil.STATUS_ZOMBIE:
-            return f"exited ({describe_exit(self._exit_code(pid))})"
-        if status in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP):
-            return "was frozen (stopped by a signal such as SIGSTOP)"
-        if self.client is not None and self.engine_of.get(rank) not in self.client.ids:
-            return "was dropped by the controller (it missed its heartbeats)"
-        return None
-
-    def _exit_code(self, pid: int, wait: float = 3.0) -> int | None:
-        """The code the host reports for an ended child, waiting a moment for the report to arrive
-        (on a loaded machine the host's report can take more than a second)."""
-        deadline = time.monotonic() + wait
-        while self.host is not None and pid not in self.host.exit_codes and time.monotonic() < deadline:
-            time.sleep(0.02)
-        return self.host.exit_codes.get(pid) if self.host is not None else None
+        return health.condition(self, rank)
 
     def is_alive(self, rank: int) -> bool:
         return self.condition(rank) is None
 
     def infrastructure_problem(self) -> str | None:
-        """None while the process host and the controller run; else which one went, in words."""
-        if self.host is None or self.host.process is None or self.host.process.poll() is not None:
-            code = self.host.process.returncode if self.host and self.host.process else None
-            return f"the lab's process host exited ({describe_exit(code)}), and every rank with it"
-        controller = self.cluster.controller if self.cluster else None
-        if controller is None or controller.pid is None:
-            return "the lab's controller is not running"
-        pid = controller.pid
-        if pid in self.host.exit_codes or _gone(pid):
-            return f"the lab's controller exited ({describe_exit(self._exit_code(pid))})"
-        return None
+        return health.infrastructure_problem(self)
 
     def broken_ranks(self) -> dict[int, str]:
         """Every rank that cannot work, with the reason."""
-        return {rank: reason for rank in range(self.plan.ranks) if (reason := self.condition(rank)) is not None}
+        return {rank: reason for rank in self.ranks if (reason := self.condition(rank)) is not None}
 
     def signal(self, ranks, signum: int = signal.SIGINT) -> None:
+        """Send ``signum`` to ranks through ipyparallel: the launcher of a hosted rank, the nanny of others."""
+        others = []
         for rank in ranks:
-            pid = self.pid_of.get(rank)
-            if pid is not None:
+            record = self.records.get(rank)
+            if record is None:
+                continue
+            if self.launcher.hosted and record.engine_set in (self.cluster.engines if self.cluster else {}):
                 try:
-                    os.kill(pid, signum)
-                except ProcessLookupError:
+                    self.cluster.engines[record.engine_set].signal(signum)
+                except Exception:  # noqa: BLE001 - it ended already
                     pass
+            else:
+                others.append(record.engine)
+        if others and self.client is not None:
+            try:
+                self.client.send_signal(signum, targets=others, block=False)
+            except Exception as error:  # noqa: BLE001 - an engine the hub dropped cannot be reached
+                self.log.debug("signal %s to engines %s: %r", signum, others, error)
 
     def replace(self, ranks, timeout: float | None = None) -> None:
-        """Kill the given ranks' processes and start fresh ones in their place."""
+        """Kill the given ranks' processes and start fresh ones in their place (not for joined ranks)."""
         assert self.cluster is not None
         ranks = sorted(ranks)
+        joined = [rank for rank in ranks if self.records[rank].joined]
+        if joined:
+            raise LabError(f"{format_ranks(joined)} joined from another machine: the lab cannot restart them "
+                           "(drop them with a heal, or run the join command there again)")
         self.signal(ranks, signal.SIGKILL)
         for rank in ranks:
-            engine_set = f"rank{rank}"
-            if engine_set in self.cluster.engines:
-                self.cluster.stop_engines_sync(engine_set)
-            if rank in self.engine_of:
-                self.retired_engines.add(self.engine_of.pop(rank))
+            record = self.records.pop(rank)
+            self.retired_engines.add(record.engine)
+            if self.launcher.hosted and record.engine_set in self.cluster.engines:
+                self.cluster.stop_engines_sync(record.engine_set)
         deadline = time.monotonic() + (timeout or self.start_timeout)
-        for rank in ranks:
-            self._start_rank(rank, deadline)
-        self._wait_for_ranks(set(ranks), deadline)
+        self._launch(ranks, deadline, together=False)
+        self._assign(self._wait_for_engines(len(ranks), deadline), ranks, deadline)
+
+    def resize(self, dropped, joining: list[tuple[int, dict]], timeout: float | None = None) -> dict[int, int]:
+        """Drop the ranks ``dropped`` (joined ranks that were lost), add ``joining`` engines after the rest;
+        ranks are numbered 0.. again. Returns old rank -> new rank of the ranks kept."""
+        for rank in dropped:
+            record = self.records.pop(rank)
+            self.retired_engines.add(record.engine)
+            self.signal_engine(record.engine, signal.SIGKILL)
+        kept = sorted(self.records)
+        renumbered = {old: new for new, old in enumerate(kept)}
+        self.records = {renumbered[old]: record for old, record in self.records.items()}
+        deadline = time.monotonic() + (timeout or self.start_timeout)
+        first = len(self.records)
+        self._assign(joining, list(range(first, first + len(joining))), deadline)
+        return renumbered
+
+    def signal_engine(self, engine: int, signum: int) -> None:
+        if self.client is not None and engine in self.client.ids:
+            try:
+                self.client.send_signal(signum, targets=[engine], block=False)
+            except Exception:  # noqa: BLE001 - unreachable: it is gone for the lab either way
+                pass
+
+    def place_of(self, rank: int) -> dict:
+        """What this rank was told when it became one (its world, host layout, controller)."""
+        return dict(self._settings.get(rank, {}))
 
     def listening_addresses(self) -> list[tuple[str, int, int]]:
-        """(address, port, pid) of every listening TCP socket of the lab's processes."""
-        pids = [pid for pid in (self.host.pid if self.host else None, *self.pid_of.values()) if pid]
-        if self.cluster and self.cluster.controller and self.cluster.controller.pid > 0:
-            pids.append(self.cluster.controller.pid)
-        found = []
-        for pid in pids:
-            try:
-                family = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
-            except psutil.NoSuchProcess:
-                continue
-            for process in family:
-                try:
-                    connections = process.net_connections(kind="inet")
-                except (psutil.NoSuchProcess, psutil.AccessDenied):
-                    continue
-                for connection in connections:
-                    if connection.status == psutil.CONN_LISTEN:
-                        found.append((connection.laddr.ip, connection.laddr.port, process.pid))
-        return sorted(set(found))
+        """(address, port, pid) of every listening TCP socket of the lab's processes on this machine."""
+        return health.listening_addresses(self)
 
     def process_ids(self) -> list[int]:
-        """Every process the lab started (host, controller, engines and their children)."""
-        roots = [pid for pid in (self.host.pid if self.host else None,) if pid]
-        found = set()
-        for pid in roots:
-            try:
-                process = psutil.Process(pid)
-                found.add(pid)
-                found.update(child.pid for child in process.children(recursive=True))
-            except psutil.NoSuchProcess:
-                continue
-        return sorted(found)
+        """Every process the lab started on this machine (host, controller, engines and their children)."""
+        return health.process_ids(self)
 
     # -- stop ---------------------------------------------------------------
 
     def stop(self) -> None:
-        """Stop engines, controller and host; remove the working directory. Idempotent."""
+        """Stop engines, controller and host; remove the working directory. Idempotent.
+
+        Engines that joined from elsewhere are asked to shut down (their join command ends with them)."""
         if self.client is not None:
+            joined = [record.engine for record in self.records.values() if record.joined]
+            joined += [engine for engine, _ in self.joiners()]
             try:
+                if joined:
+                    self.client.shutdown(targets=joined, block=False)
                 self.client.close()
             except Exception:
                 pass
@@ -390,6 +374,5 @@ class RankCluster:
         if self.workdir is not None:
             shutil.rmtree(self.workdir, ignore_errors=True)
             self.workdir = None
-        self.engine_of.clear()
-        self.pid_of.clear()
+        self.records.clear()
         self.retired_engines.clear()

@@ -21,13 +21,13 @@ from labkit.rank.timed_group import instrument_mesh
 class RankContext:
     """One process's rank, device, meshes (built once per process group) and training state."""
 
-    def __init__(self, rank: int, backend: str, device: torch.device, control_path: str | None = None) -> None:
+    def __init__(self, rank: int, backend: str, device: torch.device) -> None:
         self.rank = rank
         self.backend = backend
         self.device = device
         self.recorder = recorder_for(rank, device)
         self.link = LinkState()  # the simulated slow link (lab.link), off until the notebook sets one
-        self.control_path = control_path
+        self.store = None  # the process group's rendezvous store, where the notebook's requests wait
         self.generation = 0
         self.meshes: dict = {}  # (shape, names, instrumented) -> DeviceMesh of this process group
         self.train_state = None  # rank.state.TrainState of the last run, until the group changes

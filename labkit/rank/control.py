@@ -1,46 +1,42 @@
-"""Rank side of the control channel: the notebook's stop and slowdown requests, read at step boundaries.
+"""Rank side of the control channel: the notebook's stop and slowdown requests, read between steps.
 
-The notebook (``labkit.cluster.control``) replaces a small JSON file atomically;
-a rank checks its modification time every step, which costs one ``stat``, and
-reads it only when it changed.
+The notebook (``labkit.cluster.control``) writes into the process group's
+rendezvous store. A rank asks the store for the request's version at most every
+``POLL_SECONDS`` (one small round trip to rank 0), and reads the request only
+when the version changed, so a training step pays almost nothing for it.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import time
 
-from labkit.cluster.control import SLOW_KEY, STOP_KEY
+from labkit.cluster.control import REQUEST_KEY, SLOW_KEY, STOP_KEY, VERSION_KEY
+
+POLL_SECONDS = 0.05
 
 
 class ControlChannel:
     """This rank's view of the requests: ``stop_requested`` and its injected ``delay``."""
 
-    def __init__(self, path: str | None, rank: int) -> None:
-        self.path = path
+    def __init__(self, store, rank: int, poll_seconds: float = POLL_SECONDS) -> None:
+        self.store = store  # a torch.distributed Store, or None: no requests can come
         self.rank = rank
-        self._stamp = None
+        self.poll_seconds = poll_seconds
+        self._version = 0
+        self._next_poll = 0.0
         self.stop_requested = False
         self.delay = 0.0
 
     def poll(self) -> None:
-        if not self.path:
+        if self.store is None or time.monotonic() < self._next_poll:
             return
-        try:
-            stamp = os.stat(self.path).st_mtime_ns
-        except FileNotFoundError:
-            stamp = None
-        if stamp == self._stamp:
+        self._next_poll = time.monotonic() + self.poll_seconds
+        version = self.store.add(VERSION_KEY, 0)  # creates the counter at 0 if nobody wrote yet
+        if version == self._version:
             return
-        request = {}
-        if stamp is not None:
-            try:
-                with open(self.path) as handle:
-                    request = json.load(handle)
-            except (OSError, ValueError):
-                return  # caught half-written: read it again next step, even if its time does not change
-        self._stamp = stamp
+        request = json.loads(self.store.get(REQUEST_KEY))
+        self._version = version
         self.stop_requested = bool(request.get(STOP_KEY))
         self.delay = float(request.get(SLOW_KEY, {}).get(str(self.rank), 0.0))
 

@@ -11,8 +11,14 @@ from __future__ import annotations
 RUNTIME_NAME = "__labkit__"
 
 
+SLOT_VARIABLE = "LABKIT_SLOT"  # how an engine came: "rank3" (the lab's own launcher), "set:ranks2", "joined"
+
+
 def install() -> None:
-    """Engine startup command: create this rank's runtime in the user namespace."""
+    """Engine startup command: load the rank's code; the notebook makes the engine a rank (``become_rank``).
+
+    An engine does not know its rank when it starts: ranks are given out as
+    engines register, whichever launcher started them or wherever they joined from."""
     import gc
     import traceback
 
@@ -20,15 +26,46 @@ def install() -> None:
 
     namespace = get_ipython().user_ns
     try:
-        from labkit.rank.runtime import RankRuntime
-
-        RankRuntime(namespace)
+        import labkit.rank.runtime  # noqa: F401 - torch and the rank's code, imported while the engine starts
     except Exception:
         namespace["__labkit_install_error__"] = traceback.format_exc()
     # Everything alive now (torch, IPython, ipyparallel) lives as long as the
     # engine: keep it out of the garbage collector's full passes, which a
     # training loop triggers often and which would otherwise walk it each time.
     gc.freeze()
+
+
+def describe_engine() -> dict:
+    """What the notebook needs to place an engine that has not become a rank yet."""
+    import os
+    import socket
+
+    from IPython import get_ipython
+
+    from labkit.cluster.placement import visible_gpus
+
+    namespace = get_ipython().user_ns
+    runtime = namespace.get(RUNTIME_NAME)
+    return {
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "slot": os.environ.get(SLOT_VARIABLE, "launched"),
+        "gpus": len(visible_gpus()),
+        "rank": None if runtime is None else runtime.rank,
+        "install_error": namespace.get("__labkit_install_error__"),
+    }
+
+
+def become_rank(settings: dict) -> dict:
+    """Make this engine a rank with the notebook's ``settings``; its identity."""
+    from IPython import get_ipython
+
+    namespace = get_ipython().user_ns
+    if "__labkit_install_error__" in namespace:
+        raise RuntimeError(f"this engine could not load labkit's rank code:\n{namespace['__labkit_install_error__']}")
+    from labkit.rank.runtime import RankRuntime
+
+    return RankRuntime(namespace, settings).identity()
 
 
 def this_rank():
@@ -50,12 +87,15 @@ def identity() -> dict:
     return this_rank().identity()
 
 
-def open_store(timeout_seconds: float) -> int:
+def open_store(timeout_seconds: float) -> tuple[str, int]:
     return this_rank().open_store(timeout_seconds)
 
 
-def join_group(port: int, generation: int, timeout_seconds: float) -> int:
-    return this_rank().join_group(port, generation, timeout_seconds)
+def join_group(places: dict, generation: int, timeout_seconds: float) -> int:
+    """``places``: engine id -> this rank's place (rank, world size, store address)."""
+    from IPython import get_ipython
+
+    return this_rank().join_group(places[get_ipython().kernel.engine_id], generation, timeout_seconds)
 
 
 def build_mesh(shape: list[int], names: list[str]):

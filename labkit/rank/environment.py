@@ -19,15 +19,18 @@ import random
 import torch
 
 
-def torchrun_environment(rank: int, world_size: int, master_addr: str, master_port: int) -> dict[str, str]:
-    """The variables torchrun sets for one process of a single-node, single-group run."""
+def torchrun_environment(rank: int, world_size: int, master_addr: str, master_port: int, local_rank: int | None = None,
+                         local_world_size: int | None = None, host_index: int = 0, host_count: int = 1) -> dict[str, str]:
+    """The variables torchrun sets for one process; by default every rank on one machine."""
+    local_rank = rank if local_rank is None else local_rank
+    local_world_size = world_size if local_world_size is None else local_world_size
     return {
         "RANK": str(rank),
         "WORLD_SIZE": str(world_size),
-        "LOCAL_RANK": str(rank),  # one machine: every rank is local
-        "LOCAL_WORLD_SIZE": str(world_size),
-        "GROUP_RANK": "0",
-        "GROUP_WORLD_SIZE": "1",
+        "LOCAL_RANK": str(local_rank),
+        "LOCAL_WORLD_SIZE": str(local_world_size),
+        "GROUP_RANK": str(host_index),  # torchrun's "group" is a machine (a node)
+        "GROUP_WORLD_SIZE": str(host_count),
         "ROLE_NAME": "default",
         "ROLE_RANK": str(rank),
         "ROLE_WORLD_SIZE": str(world_size),

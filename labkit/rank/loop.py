@@ -183,7 +183,7 @@ def _train(config: TrainConfig, runtime) -> dict:
     if config.instruments:
         parallel.backward_watch = recorder.backward_watch
         recorder.watch_module_waits(parallel.module)
-    control = ControlChannel(runtime.control_path if config.instruments else None, runtime.rank)
+    control = ControlChannel(runtime.store if config.instruments else None, runtime.rank)
     publisher = Publisher(recorder) if config.instruments else None
     timer = StepTimer(device)
     losses = LossLog(config, mesh, parallel, recorder, reporter, timer)

@@ -7,7 +7,7 @@ connections, alive: a peer that talks only to this rank waits until the limit
 (measured: 60 s of a 60 s limit with four DDP ranks, one killed). gloo's
 ``abort()`` does not close them either. So the rank shuts down every TCP
 connection it holds except those to the ipyparallel controller (the engine's
-lifeline, whose ports its connection file lists); its peers see "connection
+lifeline, whose ports the notebook tells each rank when it assigns it); its peers see "connection
 closed" and fail in moments, each closing its own in turn. The process group is
 rebuilt on a fresh store afterwards, so nothing needed is lost. NCCL
 communicators are aborted through torch, which closes them.
@@ -15,31 +15,10 @@ communicators are aborted through torch, which closes them.
 
 from __future__ import annotations
 
-import glob
-import json
 import os
 import socket
 
 import psutil
-
-
-def controller_ports(control_path: str | None) -> set[int]:
-    """The ports of the lab's controller, from the engine connection file in the lab's directory."""
-    if not control_path:
-        return set()
-    ports: set[int] = set()
-    pattern = os.path.join(os.path.dirname(control_path), "profile", "security", "*engine.json")
-    for path in glob.glob(pattern):
-        try:
-            with open(path) as handle:
-                info = json.load(handle)
-        except (OSError, ValueError):
-            continue
-        for value in info.values():
-            for port in value if isinstance(value, list) else [value]:
-                if isinstance(port, int) and not isinstance(port, bool):
-                    ports.add(port)
-    return ports
 
 
 def close_peer_connections(keep_ports: set[int]) -> int:
@@ -64,7 +43,7 @@ def close_peer_connections(keep_ports: set[int]) -> int:
     return closed
 
 
-def release_peers(control_path: str | None, backend: str) -> None:
+def release_peers(controller_ports: frozenset[int], backend: str) -> None:
     """Make every peer waiting on this rank fail now (called by a rank whose work failed)."""
     if backend == "nccl":
         from torch.distributed import distributed_c10d as c10d
@@ -73,6 +52,5 @@ def release_peers(control_path: str | None, backend: str) -> None:
             c10d._abort_process_group()
         except Exception:  # noqa: BLE001 - already torn down: nothing waits on it
             pass
-    keep = controller_ports(control_path)
-    if keep:  # without the controller's ports, closing blindly would cut the engine off
-        close_peer_connections(keep)
+    if controller_ports:  # without the controller's ports, closing blindly would cut the engine off
+        close_peer_connections(set(controller_ports))

@@ -36,8 +36,8 @@ from labkit.spec.schema import FailureKind
 from labkit.rank.entry import RUNTIME_NAME
 from labkit.rank.release import release_peers
 from labkit.rank.environment import device_name, process_group_backend, seed_independently, torchrun_environment
-
-STORE_HOST_DEFAULT = "127.0.0.1"
+from labkit.rank.recorder import recorder_for
+from labkit.spec.network import place_on_network
 
 # Error text by which a rank knows it failed *because of another rank*: the peer
 # closed the connection (it failed first) or the collective timed out waiting.
@@ -54,24 +54,43 @@ _COLLATERAL_MARKERS = (
 class RankRuntime(RankContext):
     """One lab rank: identity, process group generation, mesh, training state, the cells it runs."""
 
-    def __init__(self, namespace: dict, environ=os.environ) -> None:
-        backend = environ.get("LABKIT_BACKEND", "gloo")
-        device = torch.device("cuda", 0) if backend == "nccl" else torch.device("cpu")
-        super().__init__(int(environ["LABKIT_RANK"]), backend, device, environ.get("LABKIT_CONTROL"))
+    def __init__(self, namespace: dict, settings: dict) -> None:
+        """``settings``: what the notebook decided for this rank (``cluster.placement.RankPlan.settings``)."""
+        backend = settings["backend"]
+        self.local_rank = int(settings.get("local_rank", 0))
+        self.local_world_size = int(settings.get("local_world_size", 1))
+        self.host_index = int(settings.get("host_index", 0))
+        self.host_count = int(settings.get("host_count", 1))
+        if backend == "nccl":
+            # One GPU per rank: the one the lab pinned (CUDA_VISIBLE_DEVICES holds one), else the
+            # LOCAL_RANK-th of what the host shows, as torchrun places ranks.
+            pinned = len([g for g in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if g.strip()]) == 1
+            device = torch.device("cuda", 0 if pinned else self.local_rank)
+        else:
+            device = torch.device("cpu")
+        super().__init__(int(settings["rank"]), backend, device)
         self.namespace = namespace
-        self.world_size = int(environ["LABKIT_WORLD_SIZE"])
-        self.store_host = environ.get("LABKIT_STORE_HOST", STORE_HOST_DEFAULT)
-        self.store = None
+        self.world_size = int(settings["world_size"])
+        self.interface, self.address = place_on_network(settings["controller_address"],
+                                                         # a joined machine's own --interface first
+                                                         os.environ.get("LABKIT_INTERFACE") or settings.get("interface"))
+        # gloo and nccl open their data sockets on this interface only (read when a group forms).
+        os.environ["GLOO_SOCKET_IFNAME"] = os.environ["NCCL_SOCKET_IFNAME"] = self.interface
+        self.controller_ports = frozenset(settings.get("controller_ports", ()))
         self.mesh = None
         self.mesh_spec: tuple[tuple[int, ...], tuple[str, ...]] | None = None
         self.cells_run = 0
-        threads = int(environ.get("LABKIT_THREADS", "1"))
+        threads = int(settings.get("threads", 1))
+        os.environ["OMP_NUM_THREADS"] = str(threads)
         torch.set_num_threads(threads)
         if self.backend == "nccl":
             torch.cuda.set_device(self.device)
         seed_independently()  # forked ranks would otherwise share the host's random state
-        # torch read TORCH_DISTRIBUTED_DEBUG when the host imported it, before this rank's own
-        # environment was set (check_collectives): read it again.
+        if settings.get("check_collectives"):
+            # torch checks every collective's kind, shapes and dtypes across ranks before running it
+            # (one more small collective each) and names the ranks that differ.
+            os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
+        # torch read TORCH_DISTRIBUTED_DEBUG when it was imported, before this rank's settings came: again.
         dist.set_debug_level_from_env()
         self._publish_names()
 
@@ -99,6 +118,9 @@ class RankRuntime(RankContext):
             "world_size": self.world_size,
             "pid": os.getpid(),
             "host": socket.gethostname(),
+            "address": self.address,
+            "interface": self.interface,
+            "local_rank": self.local_rank,
             "backend": self.backend,
             "device": str(self.device),
             "threads": torch.get_num_threads(),
@@ -111,20 +133,20 @@ class RankRuntime(RankContext):
 
     # -- process group ------------------------------------------------------
 
-    def open_store(self, timeout_seconds: float) -> int:
-        """Rank 0: serve a fresh rendezvous store on the lab's own address.
+    def open_store(self, timeout_seconds: float) -> tuple[str, int]:
+        """Rank 0: serve a fresh rendezvous store on this rank's lab address; (address, port).
 
         TCPStore binds every interface when it opens its own socket, so the
-        socket is opened here, bound to ``store_host`` only, and handed over.
+        socket is opened here, bound to the lab's address only, and handed over.
         """
         self.store = None  # the previous generation's server closes here
         listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind((self.store_host, 0))
+        listener.bind((self.address, 0))
         listener.listen(max(128, self.world_size * 4))
         port = listener.getsockname()[1]
         self.store = dist.TCPStore(
-            self.store_host,
+            self.address,
             port,
             self.world_size,
             True,
@@ -133,19 +155,18 @@ class RankRuntime(RankContext):
             master_listen_fd=listener.detach(),
             use_libuv=True,
         )
-        return port
+        return self.address, port
 
-    def join_group(self, port: int, generation: int, timeout_seconds: float) -> int:
-        """Leave any old process group and join generation ``generation`` at ``port``."""
+    def join_group(self, place: dict, generation: int, timeout_seconds: float) -> int:
+        """Leave any old process group and join generation ``generation``.
+
+        ``place``: this rank's number and the world's size now (they change when the
+        lab grows or shrinks) and the store's address and port."""
         self.leave_group()
+        self.renumber(int(place["rank"]), int(place["world_size"]))
+        host, port = place["store_host"], int(place["store_port"])
         if self.rank != 0 or self.store is None:
-            self.store = dist.TCPStore(
-                self.store_host,
-                port,
-                self.world_size,
-                False,
-                timeout=timedelta(seconds=timeout_seconds),
-            )
+            self.store = dist.TCPStore(host, port, self.world_size, False, timeout=timedelta(seconds=timeout_seconds))
         dist.init_process_group(
             process_group_backend(self.backend),
             store=dist.PrefixStore(f"gen{generation}", self.store),
@@ -156,8 +177,19 @@ class RankRuntime(RankContext):
         )
         self.generation = generation
         # What torchrun would have set; the rendezvous address changes with every generation.
-        os.environ.update(torchrun_environment(self.rank, self.world_size, self.store_host, port))
+        os.environ.update(torchrun_environment(self.rank, self.world_size, host, port, local_rank=self.local_rank,
+                                               local_world_size=self.local_world_size,
+                                               host_index=self.host_index, host_count=self.host_count))
         return self.generation
+
+    def renumber(self, rank: int, world_size: int) -> None:
+        """This process is rank ``rank`` of ``world_size`` from now on (the lab grew or shrank)."""
+        if (rank, world_size) == (self.rank, self.world_size):
+            return
+        if rank != self.rank:
+            self.recorder = recorder_for(rank, self.device)
+        self.rank, self.world_size = rank, world_size
+        self._publish_names()
 
     def leave_group(self) -> None:
         """Destroy the process group (and the meshes built on it), closing its sockets."""
@@ -271,7 +303,7 @@ class RankRuntime(RankContext):
             }
             # Peers blocked on us in a collective get "connection closed" now,
             # not at the timeout. The notebook rebuilds the group afterwards.
-            release_peers(self.control_path, self.backend)
+            release_peers(self.controller_ports, self.backend)
             self.leave_group()
             return report
         finally:

@@ -100,8 +100,9 @@ class RankWork:
             del self.pending[rank]
             try:
                 report = result.get(0)
-            except Exception as error:  # the runtime's guard itself was cut short
-                report = _report_from_remote_error(rank, error)
+            except Exception as error:  # the runtime's guard itself was cut short, or its engine went
+                report = self._lost_report(rank) if getattr(error, "ename", type(error).__name__) == "EngineError" else \
+                    _report_from_remote_error(rank, error)
             self.reports[rank] = report
             if report.get("ok") and report.get("display") is not None:
                 self.output.texts.set_result(rank, report["display"])
@@ -118,8 +119,13 @@ class RankWork:
                     # collective until the limit: ended now, it releases them at once.
                     self.cluster.signal([rank], signal.SIGKILL)
                 del self.pending[rank]
-                error_type = "ProcessDied" if reason.startswith("exited") else "ProcessLost"
-                self.reports[rank] = _report(rank, FailureKind.DIED, error_type, f"the rank's process {reason}")
+                self.reports[rank] = self._lost_report(rank, reason)
+
+    def _lost_report(self, rank: int, reason: str | None = None) -> RankReport:
+        """The report of a rank whose process ended or that the controller lost (the hub says which)."""
+        reason = reason or self.cluster.condition(rank) or "ended while it ran the work"
+        error_type = "ProcessDied" if reason.startswith("exited") else "ProcessLost"
+        return _report(rank, FailureKind.DIED, error_type, f"the rank's process {reason}")
 
     def _wait_until(self, deadline: float) -> None:
         next_liveness = time.monotonic() + LIVENESS_CHECK_SECONDS

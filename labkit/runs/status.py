@@ -14,6 +14,7 @@ class RankStatus:
     rank: int
     engine: int | None
     pid: int | None
+    host: str | None
     state: str  # ready | busy | dead | frozen | lost | no group | training
     device: str
     threads: int | None
@@ -32,7 +33,7 @@ class LabStatus:
     training: str | None = None
     link: str | None = None  # the simulated slow link (lab.link), in words
 
-    _COLUMNS = ("rank", "state", "pid", "engine", "device", "threads", "group", "coordinate")
+    _COLUMNS = ("rank", "state", "host", "pid", "engine", "device", "threads", "group", "coordinate")
 
     def _rows(self) -> list[tuple[str, ...]]:
         rows = []
@@ -41,6 +42,7 @@ class LabStatus:
                 (
                     str(row.rank),
                     row.state,
+                    row.host or "-",
                     "-" if row.pid is None else str(row.pid),
                     "-" if row.engine is None else str(row.engine),
                     row.device,
@@ -138,6 +140,7 @@ def collect_status(session, timeout: float) -> LabStatus:
                 rank=rank,
                 engine=cluster.engine_of.get(rank),
                 pid=cluster.pid_of.get(rank),
+                host=cluster.records[rank].host if rank in cluster.records else None,
                 state=state,
                 device=info["device"] if info else "?",
                 threads=info["threads"] if info else None,

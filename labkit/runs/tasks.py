@@ -178,14 +178,18 @@ class TaskQueue:
         while self.cluster.retired_engines & set(self.cluster.client.ids) and time.monotonic() < deadline:
             time.sleep(POLL_SECONDS)
 
+    def _make_view(self) -> None:
+        """A load-balanced view over the ranks' engines only: an engine that registered but is not a rank
+        yet (a replacement being set up, a machine that joined) has no runtime to run a task."""
+        self.view = self.cluster.client.load_balanced_view(targets=sorted(self.cluster.engine_of.values()))
+        self.view.retries = 0  # requeueing is ours: only after a lost rank, never after a raise
+
     def run(self) -> TaskResults:
         began = time.monotonic()
         interrupted = False
         try:
             self._wait_for_retired_engines()
-            # Every engine the controller lists, so a replacement rank joins the pool as soon as it registers.
-            self.view = self.cluster.client.load_balanced_view()
-            self.view.retries = 0  # requeueing is ours: only after a lost rank, never after a raise
+            self._make_view()
             try:
                 for record in self.records:
                     self._submit(record)
@@ -295,6 +299,7 @@ class TaskQueue:
             raise LabError(f"{format_ranks(sorted(broken))} could not be replaced ({error}); "
                            "call lab.restart() (or %lab restart)") from None
         self.replaced |= set(broken)
+        self._make_view()  # tasks sent from now on (the requeued ones first) may go to the replacements too
         for rank, condition in sorted(broken.items()):
             self.events.append(f"rank {rank} {condition}: replaced, and it rejoined the pool")
             self.interrupted_at.pop(rank, None)

@@ -200,7 +200,8 @@ class RankFailure(LabError):
             if frozen:
                 parts.append(f"{format_ranks(frozen)} froze (stopped by a signal) and {_were(frozen)} ended")
             if lost:
-                parts.append(f"{format_ranks(lost)} stopped answering the controller and {_were(lost)} ended")
+                parts.append(f"{format_ranks(lost)} {_were(lost)} dropped by the controller (no heartbeats: "
+                             "ended, frozen, or its host unreachable)")
         if self.hung:
             if self.interrupted:
                 parts.append(f"{format_ranks(self.hung)} interrupted")

@@ -1,0 +1,124 @@
+"""Engines registered with the lab's controller, and how they become ranks.
+
+An engine registers knowing nothing of ranks. The cluster asks each new one
+what it is (``entry.describe_engine``: its host, its pid, how it came) and
+gives it a rank: a hosted engine the rank its engine set was started for,
+another launcher's engines in the order they came, joined engines after all
+the others. Every rank is told its place in one message (``entry.become_rank``):
+its number, the world's size, its host's number and its own on that host
+(as torchrun numbers them), the controller's address and ports.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from labkit.cluster import health
+from labkit.cluster.placement import check_host_places, host_layout
+from labkit.rank import entry as rank_entry
+from labkit.spec.errors import LabError, StartupError
+
+JOINED = "joined"
+
+
+@dataclass
+class RankRecord:
+    """One rank: its engine, its process, where it runs and how it came."""
+
+    engine: int
+    pid: int
+    host: str
+    slot: str  # "rank3" (hosted), "set:ranks2" (another launcher's engine set), "joined"
+    engine_set: str | None  # the launcher's engine set; None for a joined engine
+
+    @property
+    def joined(self) -> bool:
+        return self.slot == JOINED
+
+
+def new_engines(cluster) -> list[int]:
+    """Registered engines that are not (or no longer) ranks."""
+    known = {record.engine for record in cluster.records.values()} | cluster.retired_engines
+    return [engine for engine in cluster.client.ids if engine not in known]
+
+
+def describe(cluster, engines) -> dict[int, dict]:
+    found = {}
+    for engine in engines:
+        try:
+            found[engine] = cluster.client[engine].apply_sync(rank_entry.describe_engine)
+        except Exception:  # an engine that died after registering
+            cluster.retired_engines.add(engine)
+    return found
+
+
+def wait_for_launched(cluster, count: int, deadline: float) -> list[tuple[int, dict]]:
+    """Wait until ``count`` launched engines registered: (engine id, description), hosted ones by rank."""
+    found: list[tuple[int, dict]] = []
+    seen = set()
+    while len(found) < count:
+        new = [engine for engine in new_engines(cluster) if engine not in seen]
+        seen.update(new)
+        found += [(engine, info) for engine, info in describe(cluster, new).items() if info["slot"] != JOINED]
+        if new:
+            continue
+        dead = health.launch_failures(cluster)
+        if dead or time.monotonic() > deadline:
+            raise StartupError(health.startup_failure(cluster, count - len(found), dead))
+        time.sleep(0.02)
+    return sorted(found, key=lambda item: _hosted_rank(item[1]["slot"]))
+
+
+def _hosted_rank(slot: str) -> int:
+    return int(slot[4:]) if slot.startswith("rank") and slot[4:].isdigit() else 0
+
+
+def joiners(cluster) -> list[tuple[int, dict]]:
+    """Engines that joined with ``python -m labkit join`` and wait to become ranks."""
+    if cluster.client is None:
+        return []
+    return [(engine, info) for engine, info in describe(cluster, new_engines(cluster)).items()
+            if info["slot"] == JOINED]
+
+
+def engine_set_of(info: dict) -> str | None:
+    """The launcher's engine set an engine came from ("rank3" hosted, "set:ranks2" another launcher's)."""
+    slot = info["slot"]
+    if slot == JOINED:
+        return None
+    return slot[4:] if slot.startswith("set:") else slot
+
+
+def assign(cluster, found: list[tuple[int, dict]], ranks: list[int], deadline: float) -> dict[int, dict]:
+    """Make the engines ``found`` the ranks ``ranks`` and tell them their place; every rank's settings.
+
+    The ranks that were already there keep their numbers; their new world size
+    reaches them when the process group forms next."""
+    for (engine, info), rank in zip(found, ranks):
+        if info.get("install_error"):
+            raise StartupError(f"the engine on {info['host']} (pid {info['pid']}) could not load labkit's rank "
+                               f"code:\n{info['install_error']}")
+        cluster.records[rank] = RankRecord(engine, info["pid"], info["host"], info["slot"],
+                                           engine_set_of(info))
+    world = sorted(cluster.records)
+    if world != list(range(len(world))):
+        raise LabError(f"the ranks are not numbered 0..{len(world) - 1}: {world}")
+    gpus = {engine: info["gpus"] for engine, info in found}
+    check_host_places(cluster.plan.backend, [cluster.records[rank].host for rank in ranks],
+                      [gpus[cluster.records[rank].engine] for rank in ranks], cluster.plan.ranks_per_host,
+                      pinned=cluster.launcher.on_this_machine)
+    ports = cluster.controller_ports()
+    hosts = [cluster.records[rank].host for rank in world]
+    settings = {rank: cluster.plan.settings(rank, len(world), *place, controller_ports=ports)
+                for rank, place in zip(world, host_layout(hosts))}
+    pending = {rank: cluster.client[cluster.records[rank].engine].apply_async(rank_entry.become_rank,
+                                                                              settings[rank]) for rank in ranks}
+    for rank, result in pending.items():
+        try:
+            result.get(max(0.1, deadline - time.monotonic()))
+        except Exception as error:
+            what = getattr(error, "evalue", None) or str(error) or type(error).__name__
+            raise StartupError(f"rank {rank} (engine on {cluster.records[rank].host}) could not become a rank: "
+                               f"{what}") from None
+    return settings

@@ -1,0 +1,101 @@
+"""A one-line join: another machine's engine connects out to this lab and becomes its next rank.
+
+``join_command(cluster)`` (notebook side) prints ``python -m labkit join TOKEN``.
+The token is ipyparallel's engine connection info (controller address, ports,
+message-signing key, CurveZMQ server key when encryption is on), so whoever
+holds it can run code in the lab: share it like a password.
+
+``run_joined_engine(token)`` (the joining machine) starts a plain ipyparallel
+engine with that info in its environment. The engine connects out to the
+controller, so the joining machine opens no port for it; gloo and nccl do open
+ports between ranks, which every host must reach. ipyparallel's nanny runs
+beside the engine, so the lab can interrupt or stop it like any other rank.
+The engine becomes a rank at the lab's next ``start`` or ``heal``; it ends when
+the lab stops, when the lab is gone for ~10 s, or on Ctrl-C here.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+
+from labkit.spec.errors import LabConfigError
+from labkit.spec.network import LOOPBACK_ADDRESS, ipv4_addresses
+
+ENGINE_STARTUP = "__import__('labkit.rank.entry').rank.entry.install()"
+
+
+def encode_token(connection: dict) -> str:
+    return base64.urlsafe_b64encode(json.dumps(connection, separators=(",", ":")).encode()).decode()
+
+
+def decode_token(token: str) -> dict:
+    try:
+        connection = json.loads(base64.urlsafe_b64decode(token.encode()))
+    except (ValueError, UnicodeError):
+        raise LabConfigError("this is not a lab's join token: copy the whole command that %lab join-command "
+                             "printed") from None
+    if not isinstance(connection, dict) or "registration" not in connection:
+        raise LabConfigError("this join token has no controller address: copy the whole command that "
+                             "%lab join-command printed")
+    return connection
+
+
+def join_command(cluster, python: str = "python") -> str:
+    """The command that makes another machine's engine join the lab run by ``cluster``."""
+    if cluster.plan.controller_address == LOOPBACK_ADDRESS:
+        others = ", ".join(address for addresses in ipv4_addresses().values() for address in addresses
+                           if not address.startswith("127.")) or "none"
+        raise LabConfigError(
+            "this lab's controller listens on loopback only, which no other machine can reach: start the lab "
+            "with controller_address set to this machine's address on the network the others share "
+            f"(Lab(controller_address=...), %lab start --controller-address ...; this machine has: {others})")
+    return f"{python} -m labkit join {encode_token(cluster.engine_connection())}"
+
+
+def engine_command(profile_dir: str) -> list[str]:
+    return [sys.executable, "-m", "ipyparallel.engine", f"--profile-dir={profile_dir}",
+            "--IPEngine.enable_nanny=True", f"--IPEngine.startup_command={ENGINE_STARTUP}", "--log-level=WARN"]
+
+
+def _end_with_parent() -> None:
+    """In the engine, before it runs: the kernel sends it SIGTERM when the join command dies (Linux)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+
+
+def run_joined_engine(token: str, interface: str | None = None) -> int:
+    """Run an engine that joins the lab of ``token`` until it ends; its exit code."""
+    connection = decode_token(token)
+    profile_dir = tempfile.mkdtemp(prefix="labkit-join-")  # private (0700), removed at the end
+    env = dict(os.environ, IPP_CONNECTION_INFO=json.dumps(connection), LABKIT_SLOT="joined")
+    if interface:
+        env["LABKIT_INTERFACE"] = interface
+    where = f"{connection.get('location') or connection.get('interface', '?')}"
+    print(f"labkit: joining the lab at {where} (registration port {connection['registration']}); this engine "
+          "becomes a rank at the lab's next start or heal. Ctrl-C leaves.", flush=True)
+    # The engine (and its nanny) stay in this command's process group, and get SIGTERM if this command
+    # is killed: ending the join command, however it ends, ends the engine.
+    process = subprocess.Popen(engine_command(profile_dir), env=env, preexec_fn=_end_with_parent)
+    leave = lambda _signum, _frame: process.terminate()  # noqa: E731 - Ctrl-C: the engine leaves the lab
+    previous = {sig: signal.signal(sig, leave) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        code = process.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        shutil.rmtree(profile_dir, ignore_errors=True)
+    print(f"labkit: the engine left the lab (exit code {code})", flush=True)
+    return code

@@ -1,0 +1,107 @@
+"""Which ipyparallel launcher starts a lab's engines, and with which of its options.
+
+A launcher is named as ipyparallel names it (its ``ipyparallel.engine_launchers``
+entry point): "hosted" is the lab's own fast launcher on this machine (registered
+there by labkit's package metadata), "mpi", "ssh", "slurm", "pbs", "sge", "lsf",
+"local" are ipyparallel's. Options are that launcher's own configurable traits
+(``mpi_args``, ``engines``, ``batch_template``, ...), passed to it unchanged, so
+ipyparallel's documentation for each launcher holds here too.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from dataclasses import dataclass, field
+
+from labkit.spec.errors import LabConfigError
+
+HOSTED = "hosted"
+# Launchers whose engines run on this machine: its cores, memory and GPUs bound the lab.
+ON_THIS_MACHINE = (HOSTED, "local")
+
+
+@dataclass(frozen=True)
+class LauncherChoice:
+    """A launcher by name, its engine-set class and the options passed to it."""
+
+    name: str
+    engine_class: type
+    options: dict = field(default_factory=dict)
+
+    @property
+    def hosted(self) -> bool:
+        return self.name == HOSTED
+
+    @property
+    def on_this_machine(self) -> bool:
+        return self.name in ON_THIS_MACHINE
+
+    def config(self):
+        """The options as traitlets configuration of the launcher's class."""
+        from traitlets.config import Config
+
+        return Config({self.engine_class.__name__: dict(self.options)})
+
+    def describe(self) -> str:
+        shown = ", ".join(f"{key}={value!r}" for key, value in sorted(self.options.items()))
+        return self.name + (f" ({shown})" if shown else "")
+
+
+def _hosted_class() -> type:
+    from labkit.cluster.hosted.launchers import HostedEngineLauncher
+
+    return HostedEngineLauncher
+
+
+def launcher_names() -> list[str]:
+    from ipyparallel.traitlets import entry_points
+
+    return sorted({HOSTED} | {point.name.lower() for point in entry_points(group="ipyparallel.engine_launchers")})
+
+
+def choose_launcher(name: str = HOSTED, **options) -> LauncherChoice:
+    """The launcher ``name`` with ``options``, checked now: an unknown name or option is refused, listing
+    what there is."""
+    from ipyparallel.cluster.launcher import find_launcher_class
+    from traitlets import TraitError
+
+    if not isinstance(name, str) or not name:
+        raise LabConfigError(f"launcher is a name such as 'hosted', 'mpi', 'ssh' or 'slurm', got {name!r}")
+    try:
+        # The lab's own by import, not only through its entry point: that needs labkit installed, not just present.
+        engine_class = _hosted_class() if name.lower() == HOSTED else find_launcher_class(name, "engine")
+    except KeyError:
+        raise LabConfigError(f"unknown launcher {name!r}: choose one of {', '.join(launcher_names())} "
+                             "(ipyparallel's engine launchers, and labkit's own 'hosted')") from None
+    known = set(engine_class.class_trait_names(config=True))
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise LabConfigError(f"the {name} launcher has no option {', '.join(unknown)}; its options are: "
+                             f"{', '.join(sorted(known))}")
+    options = dict(options)
+    if name.lower() == "mpi" and "mpi_cmd" not in options and shutil.which("mpiexec") is None:
+        beside = os.path.join(os.path.dirname(sys.executable), "mpiexec")  # MPI from pip (mpich's wheel)
+        if os.access(beside, os.X_OK):
+            options["mpi_cmd"] = [beside]
+    choice = LauncherChoice(name.lower(), engine_class, options)
+    try:  # the launcher checks its own options' types now, not when the lab starts
+        launcher = engine_class(config=choice.config())
+    except TraitError as error:
+        raise LabConfigError(f"the {name} launcher refused its options: {error}") from None
+    _check_commands(name, launcher)
+    return choice
+
+
+# The traits of ipyparallel's launchers that name a program this machine runs to start engines.
+COMMAND_TRAITS = {"mpi_cmd": "MPI", "ssh_cmd": "SSH", "submit_command": "the batch system"}
+
+
+def _check_commands(name: str, launcher) -> None:
+    """Refuse, before anything starts, a launcher whose program is not on this machine."""
+    for trait, what in COMMAND_TRAITS.items():
+        command = getattr(launcher, trait, None)
+        if command and shutil.which(command[0]) is None:
+            raise LabConfigError(f"the {name} launcher runs {command[0]!r}, which is not on this machine's PATH: "
+                                 f"install {what} (or give the program's path: {trait}=['/path/to/{command[0]}'])")

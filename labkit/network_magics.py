@@ -1,0 +1,57 @@
+"""``%lab start`` options for labs past one machine, and ``%lab join-command``.
+
+    %lab start 4 --launcher mpi --launcher-option mpi_args='["-hosts", "a,b"]'
+    %lab start 2 --controller-address 10.0.0.5 [--interface eth1] [--ranks-per-host 8] [--encrypt]
+    %lab join-command      the one line that makes another machine's engine join this lab
+
+Kept apart from ``labkit.magics`` so each module stays small; both only parse
+and call the ``Lab``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+
+
+def _launcher_option(text: str) -> tuple[str, object]:
+    """KEY=VALUE; the value as a Python literal (a list, a number, a dict) or else as text."""
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, e.g. mpi_args='[\"-n\", \"2\"]', got {text!r}")
+    try:
+        parsed = ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        parsed = value
+    return key.strip(), parsed
+
+
+def add_network_arguments(start: argparse.ArgumentParser) -> None:
+    start.add_argument("--launcher", default="hosted",
+                       help="ipyparallel engine launcher: hosted (the lab's own), mpi, ssh, slurm, ...")
+    start.add_argument("--launcher-option", type=_launcher_option, action="append", default=[],
+                       dest="launcher_options", help="an option of the launcher, KEY=VALUE (repeatable)")
+    start.add_argument("--controller-address", help="this machine's address that other hosts reach (default: "
+                                                     "loopback, one machine)")
+    start.add_argument("--interface", help="network interface for gloo/nccl on every rank")
+    start.add_argument("--ranks-per-host", type=int, help="ranks a host may hold (nccl: its GPUs)")
+    start.add_argument("--encrypt", action="store_true", help="CurveZMQ encryption on every ipyparallel socket")
+
+
+def network_settings(options) -> dict:
+    """The ``Lab`` arguments the network options ask for (only those given, so defaults stay the Lab's)."""
+    settings = dict(options.launcher_options)
+    settings["launcher"] = options.launcher
+    for name in ("controller_address", "interface", "ranks_per_host"):
+        if getattr(options, name) is not None:
+            settings[name] = getattr(options, name)
+    if options.encrypt:
+        settings["encrypt"] = True
+    return settings
+
+
+def join_command_line(lab) -> None:
+    """Print the join command, and what it does."""
+    print(lab.join_command())
+    print("Run it on another machine with labkit installed: its engine connects out to this lab and becomes "
+          "the next rank at the next %lab start or %lab heal. It carries the lab's key: share it like a password.")

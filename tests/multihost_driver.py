@@ -1,0 +1,82 @@
+"""The notebook side of the multi-host tests, run inside one network-namespace host.
+
+It reads one JSON command per line on stdin and answers one JSON line on
+stdout, so the test (outside every namespace) can drive a real ``Lab`` whose
+controller listens on that host's address while engines join from the others.
+Also used by ``bench/multihost.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import traceback
+
+
+ANSWER = "@@answer "  # the lab prints notes too: answers are the lines that start with this
+
+
+def answer(**reply) -> None:
+    print(ANSWER + json.dumps(reply), flush=True)
+
+
+def all_reduce_sums(rounds: int = 20, numel: int = 1 << 14):
+    import torch
+    import torch.distributed as dist
+
+    tensor = torch.ones(numel)
+    for _ in range(rounds):
+        tensor.fill_(1.0)
+        dist.all_reduce(tensor)
+    return float(tensor[0])
+
+
+def main() -> None:
+    from labkit import Lab
+
+    lab = None
+    for line in sys.stdin:
+        command = json.loads(line)
+        name = command.pop("command")
+        began = time.monotonic()
+        try:
+            if name == "start":
+                lab = Lab(**command).start()
+                answer(ok=True, join=lab.join_command(python=sys.executable), plan=lab.plan.describe(),
+                       seconds=time.monotonic() - began)
+            elif name == "grow":  # heal until the joined engines are ranks
+                deadline = time.monotonic() + command["within"]
+                while lab.world_size < command["world"] and time.monotonic() < deadline:
+                    lab.heal()  # prints what it did: the test reads it among the lines it skips
+                    time.sleep(0.2)
+                answer(ok=True, world=lab.world_size, seconds=time.monotonic() - began,
+                       places=[lab.cluster.place_of(rank) for rank in range(lab.world_size)],
+                       hosts=[lab.cluster.records[rank].host for rank in range(lab.world_size)])
+            elif name == "all_reduce":
+                sums = lab.run(all_reduce_sums, command.get("rounds", 20), timeout=command.get("timeout"))
+                answer(ok=True, sums=sums, world=lab.world_size, seconds=time.monotonic() - began)
+            elif name == "train":
+                report = lab.train(timeout=command.pop("timeout", None), **command)
+                answer(ok=True, losses=report.losses, equivalent=report.equivalent, world=lab.world_size,
+                       step_seconds=report.median_step_seconds, text=str(report), seconds=time.monotonic() - began)
+            elif name == "bench":
+                result = lab.bench_collective("all_reduce", sizes=command["sizes"], iterations=command["iters"])
+                answer(ok=True, rows=result.rows(), seconds=time.monotonic() - began)
+            elif name == "listening":
+                answer(ok=True, listening=lab.cluster.listening_addresses())
+            elif name == "status":
+                answer(ok=True, status=str(lab.status()), world=lab.world_size)
+            elif name == "stop":
+                lab.stop()
+                answer(ok=True, seconds=time.monotonic() - began)
+                return
+            else:
+                answer(ok=False, error=f"unknown command {name}")
+        except Exception as error:  # noqa: BLE001 - the test reads what failed
+            answer(ok=False, error=f"{type(error).__name__}: {error}", trace=traceback.format_exc(),
+                   seconds=time.monotonic() - began, world=lab.world_size if lab else None)
+
+
+if __name__ == "__main__":
+    main()
