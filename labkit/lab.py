@@ -180,7 +180,8 @@ class Lab:
         """The one command that, run on another machine with labkit installed, starts an engine there
         that joins this lab as its next rank at the next ``start()`` or ``heal()``.
 
-        It carries the lab's key: whoever has it can run code in the lab."""
+        It carries the lab's key: whoever has it can run code in the lab. A lab on loopback (the
+        default) can be joined from this machine only: give ``controller_address`` for others."""
         from labkit.cluster.join import join_command
 
         return join_command(self.session.require_running(), python)

@@ -52,6 +52,11 @@ def network_settings(options) -> dict:
 
 def join_command_line(lab) -> None:
     """Print the join command, and what it does."""
+    from labkit.cluster.join import reach_note
+
     print(lab.join_command())
     print("Run it on another machine with labkit installed: its engine connects out to this lab and becomes "
           "the next rank at the next %lab start or %lab heal. It carries the lab's key: share it like a password.")
+    note = reach_note(lab.cluster)
+    if note:
+        print(f"Note: {note}.")

@@ -11,6 +11,8 @@ its number, the world's size, its host's number and its own on that host
 
 from __future__ import annotations
 
+import json
+import os
 import time
 from dataclasses import dataclass
 
@@ -35,6 +37,24 @@ class RankRecord:
     @property
     def joined(self) -> bool:
         return self.slot == JOINED
+
+
+def connection_info(profile_dir: str) -> dict:
+    """ipyparallel's engine connection file of the controller whose profile is ``profile_dir``."""
+    security = os.path.join(profile_dir, "security")
+    name = next(name for name in os.listdir(security) if name.endswith("engine.json"))
+    with open(os.path.join(security, name)) as handle:
+        return json.load(handle)
+
+
+def controller_ports(connection: dict) -> set[int]:
+    """Every port the controller listens on: a failing rank keeps its connections to them."""
+    ports = set()
+    for value in connection.values():
+        for port in value if isinstance(value, list) else [value]:
+            if isinstance(port, int) and not isinstance(port, bool):
+                ports.add(port)
+    return ports
 
 
 def new_engines(cluster) -> list[int]:
@@ -108,7 +128,7 @@ def assign(cluster, found: list[tuple[int, dict]], ranks: list[int], deadline: f
     check_host_places(cluster.plan.backend, [cluster.records[rank].host for rank in ranks],
                       [gpus[cluster.records[rank].engine] for rank in ranks], cluster.plan.ranks_per_host,
                       pinned=cluster.launcher.on_this_machine)
-    ports = cluster.controller_ports()
+    ports = controller_ports(cluster.engine_connection())
     hosts = [cluster.records[rank].host for rank in world]
     settings = {rank: cluster.plan.settings(rank, len(world), *place, controller_ports=ports)
                 for rank, place in zip(world, host_layout(hosts))}

@@ -49,14 +49,18 @@ def decode_token(token: str) -> dict:
 
 def join_command(cluster, python: str = "python") -> str:
     """The command that makes another machine's engine join the lab run by ``cluster``."""
-    if cluster.plan.controller_address == LOOPBACK_ADDRESS:
-        others = ", ".join(address for addresses in ipv4_addresses().values() for address in addresses
-                           if not address.startswith("127.")) or "none"
-        raise LabConfigError(
-            "this lab's controller listens on loopback only, which no other machine can reach: start the lab "
-            "with controller_address set to this machine's address on the network the others share "
-            f"(Lab(controller_address=...), %lab start --controller-address ...; this machine has: {others})")
     return f"{python} -m labkit join {encode_token(cluster.engine_connection())}"
+
+
+def reach_note(cluster) -> str | None:
+    """Who can run the join command: on a loopback lab, only this machine, and what to change."""
+    if cluster.plan.controller_address != LOOPBACK_ADDRESS:
+        return None
+    others = ", ".join(address for addresses in ipv4_addresses().values() for address in addresses
+                       if not address.startswith("127.")) or "none"
+    return ("this lab's controller listens on loopback, so only processes on this machine can join; for other "
+            "machines start the lab with controller_address set to this machine's address on the network they "
+            f"share (Lab(controller_address=...), %lab start --controller-address ...; this machine has: {others})")
 
 
 def engine_command(profile_dir: str) -> list[str]:

@@ -19,11 +19,11 @@ and on ``stop()`` leaves no process and no listening port behind.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
 import signal
+import socket
 import tempfile
 import time
 
@@ -41,6 +41,7 @@ from labkit.spec.errors import LabError, StartupError, format_ranks
 
 _ENGINE_STARTUP = "__import__('labkit.rank.entry').rank.entry.install()"
 HEARTBEAT_MS = 200
+JOINED_SHUTDOWN_SECONDS = 3.0  # engines elsewhere that do not answer end by themselves (missed heartbeats)
 
 
 class RankCluster:
@@ -76,19 +77,7 @@ class RankCluster:
 
     def engine_connection(self) -> dict:
         """What an engine needs to reach the controller (ipyparallel's engine connection file)."""
-        security = os.path.join(self.profile_dir, "security")
-        name = next(name for name in os.listdir(security) if name.endswith("engine.json"))
-        with open(os.path.join(security, name)) as handle:
-            return json.load(handle)
-
-    def controller_ports(self) -> set[int]:
-        """Every port the controller listens on: a failing rank keeps its connections to them."""
-        ports = set()
-        for value in self.engine_connection().values():
-            for port in value if isinstance(value, list) else [value]:
-                if isinstance(port, int) and not isinstance(port, bool):
-                    ports.add(port)
-        return ports
+        return engines.connection_info(self.profile_dir)
 
     # -- start ----------------------------------------------------------------
 
@@ -275,24 +264,46 @@ class RankCluster:
         return {rank: reason for rank in self.ranks if (reason := self.condition(rank)) is not None}
 
     def signal(self, ranks, signum: int = signal.SIGINT) -> None:
-        """Send ``signum`` to ranks through ipyparallel: the launcher of a hosted rank, the nanny of others."""
-        others = []
+        """Send ``signum`` to ranks through ipyparallel: the launcher of a hosted rank, the nanny of others.
+
+        The controller cannot reach an engine it dropped (frozen, or cut off): such a rank's whole
+        engine set is signalled through its launcher when none of the set still works, and a process
+        on this machine directly, so nothing frozen is left behind."""
+        nanny = []
         for rank in ranks:
             record = self.records.get(rank)
             if record is None:
                 continue
-            if self.launcher.hosted and record.engine_set in (self.cluster.engines if self.cluster else {}):
-                try:
-                    self.cluster.engines[record.engine_set].signal(signum)
-                except Exception:  # noqa: BLE001 - it ended already
-                    pass
+            if self.launcher.hosted and not record.joined:
+                self._signal_set(record.engine_set, signum)
+            elif self.client is not None and record.engine in self.client.ids:
+                nanny.append(record.engine)
             else:
-                others.append(record.engine)
-        if others and self.client is not None:
+                self._signal_dropped(record, signum)
+        if nanny:
             try:
-                self.client.send_signal(signum, targets=others, block=False)
-            except Exception as error:  # noqa: BLE001 - an engine the hub dropped cannot be reached
-                self.log.debug("signal %s to engines %s: %r", signum, others, error)
+                self.client.send_signal(signum, targets=nanny, block=False)
+            except Exception as error:  # noqa: BLE001 - dropped in the meantime: gone for the lab either way
+                self.log.debug("signal %s to engines %s: %r", signum, nanny, error)
+
+    def _signal_set(self, engine_set: str | None, signum: int) -> None:
+        launcher = self.cluster.engines.get(engine_set) if self.cluster and engine_set else None
+        if launcher is not None:
+            try:
+                launcher.signal(signum)
+            except Exception:  # noqa: BLE001 - it ended already
+                pass
+
+    def _signal_dropped(self, record: RankRecord, signum: int) -> None:
+        together = [other for other in self.records.values() if other.engine_set == record.engine_set]
+        if record.engine_set and all(self.client is None or other.engine not in self.client.ids
+                                     for other in together):
+            self._signal_set(record.engine_set, signum)
+        if record.host == socket.gethostname() and not record.joined:
+            try:
+                os.kill(record.pid, signum)
+            except (ProcessLookupError, PermissionError):
+                pass
 
     def replace(self, ranks, timeout: float | None = None) -> None:
         """Kill the given ranks' processes and start fresh ones in their place (not for joined ranks)."""
@@ -306,7 +317,8 @@ class RankCluster:
         for rank in ranks:
             record = self.records.pop(rank)
             self.retired_engines.add(record.engine)
-            if self.launcher.hosted and record.engine_set in self.cluster.engines:
+            still_used = any(other.engine_set == record.engine_set for other in self.records.values())
+            if record.engine_set in self.cluster.engines and not still_used:
                 self.cluster.stop_engines_sync(record.engine_set)
         deadline = time.monotonic() + (timeout or self.start_timeout)
         self._launch(ranks, deadline, together=False)
@@ -358,6 +370,10 @@ class RankCluster:
             try:
                 if joined:
                     self.client.shutdown(targets=joined, block=False)
+                    # The request leaves on the client's own thread: wait (briefly) until they unregister.
+                    deadline = time.monotonic() + JOINED_SHUTDOWN_SECONDS
+                    while set(joined) & set(self.client.ids) and time.monotonic() < deadline:
+                        time.sleep(0.05)
                 self.client.close()
             except Exception:
                 pass

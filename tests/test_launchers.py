@@ -1,0 +1,146 @@
+"""Launchers other than the lab's own, on real engines: ipyparallel's MPI launcher (MPICH's mpiexec),
+its local launcher, and engines that join with ``python -m labkit join``.
+
+Signals reach these ranks through ipyparallel (the nanny beside each engine), and the lab
+learns that a rank is gone from the controller's heartbeats, as it would on a cluster.
+"""
+
+from __future__ import annotations
+
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from labkit import Lab
+from labkit.cluster.launchers import choose_launcher
+
+pytestmark = pytest.mark.lab
+
+
+def _mpi_missing() -> str | None:
+    try:
+        choose_launcher("mpi")
+        import mpi4py  # noqa: F401 - ipyparallel's MPI engines number themselves with it
+    except Exception as error:  # noqa: BLE001 - the reason is the skip message
+        return str(error)
+    return None
+
+
+def who() -> tuple[int, int]:
+    """(rank, world size), asked on a rank."""
+    from labkit.rank.entry import this_rank
+
+    here = this_rank()
+    return here.rank, here.world_size
+
+
+def pmi_rank():
+    import os
+
+    return os.environ.get("PMI_RANK")
+
+
+def wait_for(condition, within: float) -> bool:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.mark.skipif(_mpi_missing() is not None, reason=f"no MPI here: {_mpi_missing()}")
+def test_mpi_launched_ranks_train_and_a_killed_rank_takes_its_mpi_job_and_is_healed():
+    lab = Lab(ranks=2, launcher="mpi", start_timeout=90, timeout=60)
+    try:
+        lab.start()
+        assert lab.launcher.name == "mpi"
+        assert lab.run(who) == [(0, 2), (1, 2)]
+        assert sorted(lab.run(pmi_rank)) == ["0", "1"]  # started by mpiexec, whatever rank each became
+        lab.kill(1)
+        # MPI ends the whole job when one of its processes dies: both ranks are gone, and the lab says so.
+        assert wait_for(lambda: len(lab.cluster.broken_ranks()) == 2, 20), lab.cluster.broken_ranks()
+        note = lab.session.heal()
+        assert "replaced ranks 0, 1" in note
+        report = lab.train(strategy="ddp", model="mlp", steps=3, verify=True, log_every=100)
+        assert report.equivalent is True
+    finally:
+        lab.stop()
+    assert shutil.which("pgrep") is None or subprocess.run(["pgrep", "-f", "hydra_pmi_proxy"],
+                                                           capture_output=True).returncode == 1
+
+
+def test_ipyparallels_local_launcher_signals_through_the_nanny_and_heals_a_frozen_rank():
+    lab = Lab(ranks=2, launcher="local", start_timeout=90, timeout=30)
+    try:
+        lab.start()
+        pids = lab.cluster.pid_of
+        frozen = pids[1]
+        import os
+
+        os.kill(frozen, signal.SIGSTOP)  # frozen: to the controller it stops answering heartbeats
+        assert wait_for(lambda: 1 in lab.cluster.broken_ranks(), 20)
+        assert "dropped by the controller" in lab.cluster.broken_ranks()[1]
+        note = lab.session.heal()  # the nanny delivers the SIGKILL the frozen process cannot refuse
+        assert "replaced rank 1" in note
+        assert wait_for(lambda: not _alive(frozen), 10), "the frozen process was left behind"
+        assert lab.run(who) == [(0, 2), (1, 2)]
+    finally:
+        lab.stop()
+
+
+def _alive(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_an_engine_joins_as_the_next_rank_and_leaves_when_the_lab_stops():
+    lab = Lab(ranks=2, timeout=30)
+    joiner = None
+    try:
+        lab.start()
+        command = lab.join_command(python=sys.executable)
+        joiner = subprocess.Popen(shlex.split(command), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        assert lab.world_size == 2  # it joins at the next start or heal, not in the middle of work
+        assert wait_for(lambda: lab.session.heal() is not None, 60)
+        assert lab.world_size == 3
+        assert lab.run(who) == [(0, 3), (1, 3), (2, 3)]
+        assert lab.cluster.records[2].joined
+        # Killed, a joined rank cannot be restarted from here: the lab shrinks back and goes on.
+        lab.session.cluster.signal([2], signal.SIGKILL)
+        assert wait_for(lambda: 2 in lab.cluster.broken_ranks(), 20)
+        note = lab.session.heal()
+        assert "dropped rank 2, which joined from another machine" in note and lab.world_size == 2
+        assert lab.run(who) == [(0, 2), (1, 2)]
+        assert joiner.wait(20) is not None  # its join command ended with its engine
+    finally:
+        lab.stop()
+        if joiner is not None and joiner.poll() is None:
+            joiner.kill()
+
+
+def test_a_joined_engine_is_asked_to_leave_when_the_lab_stops():
+    lab = Lab(ranks=1, timeout=30)
+    joiner = None
+    try:
+        lab.start()
+        joiner = subprocess.Popen(shlex.split(lab.join_command(python=sys.executable)), stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True)
+        assert wait_for(lambda: lab.session.heal() is not None, 60) and lab.world_size == 2
+    finally:
+        lab.stop()
+    try:
+        assert joiner.wait(20) is not None, "the joined engine outlived the lab"
+    finally:
+        if joiner.poll() is None:
+            joiner.kill()
+    assert "left the lab" in joiner.stdout.read()
