@@ -18,7 +18,8 @@ def test_cpu_machine_defaults_to_gloo():
 def test_gpus_default_to_nccl_one_rank_per_gpu():
     plan = plan_ranks(2, gpus=("0", "1", "2"))
     assert plan.backend == "nccl" and plan.device_type == "cuda"
-    assert [plan.launch_environment(rank, "x")["CUDA_VISIBLE_DEVICES"] for rank in range(2)] == ["0", "1"]
+    # every rank sees the lab's GPUs and takes its LOCAL_RANK-th, as under torchrun
+    assert [plan.launch_environment(rank, "x")["CUDA_VISIBLE_DEVICES"] for rank in range(2)] == ["0,1", "0,1"]
 
 
 def test_gloo_can_be_chosen_on_a_gpu_machine():

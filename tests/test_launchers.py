@@ -144,3 +144,19 @@ def test_a_joined_engine_is_asked_to_leave_when_the_lab_stops():
         if joiner.poll() is None:
             joiner.kill()
     assert "left the lab" in joiner.stdout.read()
+
+
+def test_a_join_command_of_a_lab_that_stopped_ends_and_says_why():
+    lab = Lab(ranks=1)
+    lab.start()
+    command = lab.join_command(python=sys.executable)
+    lab.stop()
+    joiner = subprocess.run(shlex.split(command), capture_output=True, text=True, timeout=90)
+    assert joiner.returncode != 0
+    assert "could not register" in joiner.stdout and "good for one lab run" in joiner.stdout
+
+
+def test_a_mangled_join_command_is_refused_at_once():
+    refused = subprocess.run([sys.executable, "-m", "labkit", "join", "not-a-token"], capture_output=True,
+                             text=True, timeout=60)
+    assert refused.returncode == 2 and "not a lab's join token" in refused.stderr

@@ -29,6 +29,8 @@ from labkit.spec.errors import LabConfigError
 from labkit.spec.network import LOOPBACK_ADDRESS, ipv4_addresses
 
 ENGINE_STARTUP = "__import__('labkit.rank.entry').rank.entry.install()"
+REGISTRATION_SECONDS = 20.0  # a controller across a network may answer slowly; a stale command fails then
+REGISTRATION_FAILED = 255  # ipyparallel's engine exits so when the controller never answered
 
 
 def encode_token(connection: dict) -> str:
@@ -65,7 +67,8 @@ def reach_note(cluster) -> str | None:
 
 def engine_command(profile_dir: str) -> list[str]:
     return [sys.executable, "-m", "ipyparallel.engine", f"--profile-dir={profile_dir}",
-            "--IPEngine.enable_nanny=True", f"--IPEngine.startup_command={ENGINE_STARTUP}", "--log-level=WARN"]
+            "--IPEngine.enable_nanny=True", f"--IPEngine.startup_command={ENGINE_STARTUP}",
+            f"--IPEngine.timeout={REGISTRATION_SECONDS}", "--log-level=WARN"]
 
 
 def _end_with_parent() -> None:
@@ -84,9 +87,9 @@ def run_joined_engine(token: str, interface: str | None = None) -> int:
     env = dict(os.environ, IPP_CONNECTION_INFO=json.dumps(connection), LABKIT_SLOT="joined")
     if interface:
         env["LABKIT_INTERFACE"] = interface
-    where = f"{connection.get('location') or connection.get('interface', '?')}"
-    print(f"labkit: joining the lab at {where} (registration port {connection['registration']}); this engine "
-          "becomes a rank at the lab's next start or heal. Ctrl-C leaves.", flush=True)
+    where = f"{connection.get('interface', 'tcp://?')}:{connection['registration']}"
+    print(f"labkit: joining the lab at {where}; this engine becomes a rank at the lab's next start or heal. "
+          "Ctrl-C leaves.", flush=True)
     # The engine (and its nanny) stay in this command's process group, and get SIGTERM if this command
     # is killed: ending the join command, however it ends, ends the engine.
     process = subprocess.Popen(engine_command(profile_dir), env=env, preexec_fn=_end_with_parent)
@@ -102,4 +105,8 @@ def run_joined_engine(token: str, interface: str | None = None) -> int:
             process.wait()
         shutil.rmtree(profile_dir, ignore_errors=True)
     print(f"labkit: the engine left the lab (exit code {code})", flush=True)
+    if code == REGISTRATION_FAILED:
+        print(f"labkit: it could not register at {where} within {REGISTRATION_SECONDS:g} s: the lab stopped or "
+              "restarted (a join command is good for one lab run: print a new one), that address cannot be reached "
+              "from here, or the lab is encrypted and this is not its command", flush=True)
     return code

@@ -62,8 +62,9 @@ class RankPlan:
         ``rank``: the rank an engine of the lab's own launcher will become (None for other launchers)."""
         env = {"LABKIT_SLOT": slot}
         if self.on_this_machine and rank is not None:
-            # A gloo rank must never grab a GPU by accident; an nccl rank sees its own.
-            env["CUDA_VISIBLE_DEVICES"] = self.gpus[rank] if self.backend == "nccl" else ""
+            # A gloo rank must never grab a GPU by accident. nccl ranks see the lab's GPUs, as under
+            # torchrun, and each takes the LOCAL_RANK-th: a script's set_device(LOCAL_RANK) works.
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(self.gpus) if self.backend == "nccl" else ""
         return env
 
     def settings(self, rank: int, world_size: int, local_rank: int, local_world_size: int,

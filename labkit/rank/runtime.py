@@ -62,10 +62,10 @@ class RankRuntime(RankContext):
         self.host_index = int(settings.get("host_index", 0))
         self.host_count = int(settings.get("host_count", 1))
         if backend == "nccl":
-            # One GPU per rank: the one the lab pinned (CUDA_VISIBLE_DEVICES holds one), else the
-            # LOCAL_RANK-th of what the host shows, as torchrun places ranks.
-            pinned = len([g for g in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if g.strip()]) == 1
-            device = torch.device("cuda", 0 if pinned else self.local_rank)
+            # One GPU per rank, the LOCAL_RANK-th of what its host shows, as torchrun places ranks
+            # (a host that shows each process one GPU, as some schedulers do, has only cuda:0).
+            shown = len([g for g in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if g.strip()])
+            device = torch.device("cuda", 0 if shown == 1 else self.local_rank)
         else:
             device = torch.device("cpu")
         super().__init__(int(settings["rank"]), backend, device)

@@ -148,8 +148,11 @@ def collect_status(session, timeout: float) -> LabStatus:
                 coordinate=session.mesh_spec.coordinate(rank) if session.mesh_spec else None,
             )
         )
+    plan = session.plan.describe()
+    if session.world_size != session.plan.ranks:
+        plan += f"; {session.world_size} ranks now, with the engines that joined"
     return LabStatus(
-        session.plan.describe(),
+        plan,
         running=True,
         generation=session.generation,
         mesh=session.mesh_spec.describe() if session.mesh_spec else None,

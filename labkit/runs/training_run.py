@@ -93,7 +93,10 @@ class TrainingRun:
             self.dashboard.update()
 
     def _wind_down(self) -> float:
-        self.stop()
+        try:
+            self.stop()
+        except LabError:  # the ranks' store is unreachable (rank 0 frozen or gone): interrupt them at once
+            return 0.0
         times = list(self.table.step_times().values())
         return max(STOP_GRACE_SECONDS, 10 * (times[-1] if times else 0.0))
 
@@ -126,7 +129,10 @@ class TrainingRun:
         except BaseException as error:  # kept for wait(); a background thread has nobody else to tell
             self.error = error
         finally:
-            self.session.control.request_stop(False)
+            try:
+                self.session.control.request_stop(False)
+            except LabError:  # rank 0 is gone with its store; the next group's store starts empty
+                pass
             self.session.release(self)
             if self.dashboard is not None:
                 self.dashboard.finish(self.status())
