@@ -43,12 +43,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import select
+import queue
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -61,7 +62,7 @@ from tests.netns_hosts import NetnsHosts, netns_unavailable  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "multihost.json"
 DRIVER = ROOT / "tests" / "multihost_driver.py"
-COMMON = dict(backend="gloo", threads_per_rank=1, timeout=600, start_timeout=120)
+COMMON = dict(backend="gloo", threads_per_rank=1, timeout=300, start_timeout=120)  # a cell's limit: 300 s
 QUIET = dict(log_every=10**9)
 MODELS = ("mlp", "gpt")
 LOOPBACK_REFUSAL = "controller listens on loopback only"  # join_command's refusal, raised by the driver's start
@@ -86,6 +87,15 @@ class Driver:
         env = dict(os.environ, PYTHONUNBUFFERED="1", IPP_NONINTERACTIVE="1")
         self.process = hosts.popen(0, [sys.executable, str(DRIVER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                    text=True, env=env)
+        # A thread reads the lines: select() on the pipe would miss a line that readline() already
+        # pulled into the file object's buffer (an answer arriving with the print before it), and wait forever.
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._read, name=f"{name}-driver-output", daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.process.stdout:
+            self.lines.put(line)
+        self.lines.put(None)  # the driver exited
 
     def ask(self, answer_within: float, tolerate: str | None = None, **command) -> dict:
         """Send ``command``; its answer (with the lab's prints before it under "printed"); raise if not ok,
@@ -95,12 +105,13 @@ class Driver:
         deadline = time.monotonic() + answer_within
         printed = []
         while True:
-            ready, _, _ = select.select([self.process.stdout], [], [], max(0.0, deadline - time.monotonic()))
-            if not ready:
+            try:
+                line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
                 raise DriverError(f"{self.name} lab: no answer to {command['command']} within {answer_within} s; "
-                                  f"it printed: {''.join(printed)[-2000:]}")
-            line = self.process.stdout.readline()
-            if not line:
+                                  f"it printed: {''.join(printed)[-2000:]}") from None
+            if line is None:
+                self.lines.put(None)  # still exited for the next ask
                 raise DriverError(f"{self.name} lab: the driver exited (code {self.process.poll()}) during "
                                   f"{command['command']}; it printed: {''.join(printed)[-2000:]}")
             if line.startswith(ANSWER):
@@ -159,11 +170,11 @@ def measure(driver: Driver, steps: int, sizes: list[int], iters: int) -> dict:
     """One round of every measurement on one lab."""
     out = {}
     for model in MODELS:
-        trained = driver.ask(600, command="train", strategy="ddp", model=model, steps=steps, **QUIET)
+        trained = driver.ask(420, command="train", strategy="ddp", model=model, steps=steps, **QUIET)
         if trained["world"] != 4:
             raise DriverError(f"{driver.name} lab trained on {trained['world']} ranks, not 4")
         out[f"ddp_{model}_step_seconds"] = trained["step_seconds"]
-    rows = driver.ask(600, command="bench", sizes=sizes, iters=iters)["rows"]
+    rows = driver.ask(420, command="bench", sizes=sizes, iters=iters)["rows"]
     out["all_reduce"] = {str(size): {"seconds": seconds, "algbw": algbw, "busbw": busbw}
                          for size, seconds, algbw, busbw in rows}
     return out
@@ -235,7 +246,7 @@ def run(options) -> dict:
 
             for driver in (loopback, namespaces):  # warm every rank's imports and allocator for both models
                 for model in MODELS:
-                    driver.ask(600, command="train", strategy="ddp", model=model, steps=3, **QUIET)
+                    driver.ask(420, command="train", strategy="ddp", model=model, steps=3, **QUIET)
             print("  both labs warmed up", flush=True)
             rounds = {"loopback": [], "namespaces": []}
             for repeat in range(options.repeats):
