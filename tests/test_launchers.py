@@ -160,3 +160,52 @@ def test_a_mangled_join_command_is_refused_at_once():
     refused = subprocess.run([sys.executable, "-m", "labkit", "join", "not-a-token"], capture_output=True,
                              text=True, timeout=60)
     assert refused.returncode == 2 and "not a lab's join token" in refused.stderr
+
+
+LAB_OF_JOINERS = """
+import sys
+from labkit import Lab
+
+def who():
+    from labkit.rank.entry import this_rank
+    return (this_rank().rank, this_rank().world_size, this_rank().address)
+
+lab = Lab(ranks=0, controller_address=sys.argv[1], start_timeout=90)
+lab.start()
+print("ranks:", lab.run(who), flush=True)
+lab.stop()
+"""
+
+
+def _outside_address() -> str | None:
+    from labkit.spec.network import ipv4_addresses
+
+    found = [address for addresses in ipv4_addresses().values() for address in addresses
+             if not address.startswith("127.")]
+    return found[0] if found else None
+
+
+@pytest.mark.skipif(_outside_address() is None, reason="this machine has no address besides loopback")
+def test_a_lab_of_no_ranks_of_its_own_prints_its_join_command_and_waits_for_a_machine():
+    address = _outside_address()
+    lab = subprocess.Popen([sys.executable, "-c", LAB_OF_JOINERS, address], stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True)
+    joiner = None
+    try:
+        lines = []
+        for line in lab.stdout:
+            lines.append(line)
+            if line.startswith(f"{sys.executable} -m labkit join ") or line.startswith("python -m labkit join "):
+                command = line.split()
+                joiner = subprocess.Popen([sys.executable, *command[1:]], stdout=subprocess.DEVNULL,
+                                          stderr=subprocess.DEVNULL)
+            if line.startswith("ranks:"):
+                break
+        assert any("waiting up to" in line and "for machines to join" in line for line in lines), lines
+        assert lines[-1].strip() == f"ranks: [(0, 1, '{address}')]", lines
+        assert lab.wait(30) == 0
+        assert joiner.wait(30) is not None
+    finally:
+        for process in (lab, joiner):
+            if process is not None and process.poll() is None:
+                process.kill()

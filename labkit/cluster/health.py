@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import psutil
 
-from labkit.spec.errors import describe_exit
+from labkit.cluster.hosted.host_client import HostError
+from labkit.spec.errors import StartupError, describe_exit
 
 LOG_TAIL_LINES = 15
 DROPPED = ("was dropped by the controller (it stopped answering heartbeats: its process ended or froze, "
@@ -74,6 +75,22 @@ def _local_condition(cluster, pid: int) -> str | None:
     if status in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP):
         return "was frozen (stopped by a signal such as SIGSTOP)"
     return None
+
+
+def check_capabilities(cluster, seconds: float) -> dict:
+    """What the process host's torch can do (its report once torch is imported); refuse nccl without CUDA."""
+    try:
+        capabilities = cluster.host.capabilities.result(seconds)
+    except TimeoutError:
+        raise StartupError(f"torch did not finish importing within {cluster.start_timeout:g} s (start_timeout); "
+                           f"process host log:\n{log_tail(cluster.log_path())}") from None
+    except HostError:
+        raise StartupError("the process host could not import torch and ipyparallel; its log says:\n"
+                           f"{log_tail(cluster.log_path())}") from None
+    if cluster.plan.backend == "nccl" and not (capabilities["cuda_build"] and capabilities["nccl"]):
+        raise StartupError(f"nccl was asked for, but this torch ({capabilities['torch']}) has no CUDA/nccl; "
+                           "install a CUDA build of torch or use backend='gloo'")
+    return capabilities
 
 
 def infrastructure_problem(cluster) -> str | None:

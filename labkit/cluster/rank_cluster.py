@@ -129,36 +129,16 @@ class RankCluster:
         )
         self.cluster.start_controller_sync(host=self.host, spawn_timeout=self._left(deadline))
         if self.launcher.on_this_machine:
-            self._check_capabilities(deadline)
+            self.capabilities = health.check_capabilities(self, self._left(deadline))
         self._launch(list(range(self.plan.ranks)), deadline)
         self.client = self.cluster.connect_client_sync()
-        engines = self._wait_for_engines(self.plan.ranks, deadline) + self.joiners()
+        engines = self._wait_for_engines(self.plan.ranks, deadline) + self._first_joiners(deadline)
         self._assign(engines, list(range(len(engines))), deadline)
         self.host.warm()  # while the first cells run: a rank that replaces one later starts warm
 
     @staticmethod
     def _left(deadline: float) -> float:
         return max(0.1, deadline - time.monotonic())
-
-    def _check_capabilities(self, deadline: float) -> None:
-        assert self.host is not None
-        try:
-            self.capabilities = self.host.capabilities.result(self._left(deadline))
-        except TimeoutError:
-            raise StartupError(
-                f"torch did not finish importing within {self.start_timeout:g} s "
-                f"(start_timeout); process host log:\n{health.log_tail(self.log_path())}"
-            ) from None
-        except HostError:
-            raise StartupError(
-                "the process host could not import torch and ipyparallel; "
-                f"its log says:\n{health.log_tail(self.log_path())}"
-            ) from None
-        if self.plan.backend == "nccl" and not (self.capabilities["cuda_build"] and self.capabilities["nccl"]):
-            raise StartupError(
-                f"nccl was asked for, but this torch ({self.capabilities['torch']}) has no CUDA/nccl; "
-                "install a CUDA build of torch or use backend='gloo'"
-            )
 
     def _engine_args(self) -> list[str]:
         return [
@@ -199,6 +179,21 @@ class RankCluster:
     def joiners(self) -> list[tuple[int, dict]]:
         """Engines that joined with ``python -m labkit join`` and wait to become ranks."""
         return engines.joiners(self)
+
+    def _first_joiners(self, deadline: float) -> list[tuple[int, dict]]:
+        """The engines that joined already; a lab of no ranks of its own (ranks=0) prints its join
+        command and waits for the first machine to join, within start_timeout."""
+        if self.plan.ranks > 0:
+            return self.joiners()
+        from labkit.cluster.join import join_command
+
+        print(f"labkit: waiting up to {self._left(deadline):.0f} s (start_timeout) for machines to join; run this "
+              f"on each:\n{join_command(self)}", flush=True)
+        joined = []
+        while not joined and time.monotonic() < deadline:
+            time.sleep(0.2)
+            joined = self.joiners()
+        return joined
 
     def _assign(self, found: list[tuple[int, dict]], ranks: list[int], deadline: float) -> None:
         self._settings.update(engines.assign(self, found, ranks, deadline))
