@@ -41,15 +41,12 @@ made). Writes bench/results/multihost.json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import queue
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -57,15 +54,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # the tests package: the namespace hosts and the notebook-side driver
 
 from results_file import write_results  # noqa: E402
-from tests.multihost_driver import ANSWER  # noqa: E402
+from tests.multihost_driver import DriverClient, DriverError  # noqa: E402
 from tests.netns_hosts import NetnsHosts, netns_unavailable  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "multihost.json"
-DRIVER = ROOT / "tests" / "multihost_driver.py"
 COMMON = dict(backend="gloo", threads_per_rank=1, timeout=300, start_timeout=120)  # a cell's limit: 300 s
 QUIET = dict(log_every=10**9)
 MODELS = ("mlp", "gpt")
-LOOPBACK_REFUSAL = "controller listens on loopback only"  # join_command's refusal, raised by the driver's start
 EXPLANATION = (
     "The namespace hosts are Linux network namespaces on this one machine, each with its own network stack "
     "and address (198.18.0.x/24), joined by veth pairs to one Linux bridge. The namespace lab's gloo ranks "
@@ -75,52 +70,15 @@ EXPLANATION = (
     "the same 2 cores.")
 
 
-class DriverError(RuntimeError):
-    pass
-
-
-class Driver:
-    """The lab's notebook side in host 0 (tests/multihost_driver.py), one JSON command and answer at a time."""
-
-    def __init__(self, hosts: NetnsHosts, name: str):
-        self.name = name
-        env = dict(os.environ, PYTHONUNBUFFERED="1", IPP_NONINTERACTIVE="1")
-        self.process = hosts.popen(0, [sys.executable, str(DRIVER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                   text=True, env=env)
-        # A thread reads the lines: select() on the pipe would miss a line that readline() already
-        # pulled into the file object's buffer (an answer arriving with the print before it), and wait forever.
-        self.lines: queue.Queue[str | None] = queue.Queue()
-        threading.Thread(target=self._read, name=f"{name}-driver-output", daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.process.stdout:
-            self.lines.put(line)
-        self.lines.put(None)  # the driver exited
+class Driver(DriverClient):
+    """The test's driver client; an answer that is not ok raises, unless its error contains ``tolerate``."""
 
     def ask(self, answer_within: float, tolerate: str | None = None, **command) -> dict:
-        """Send ``command``; its answer (with the lab's prints before it under "printed"); raise if not ok,
-        unless its error contains ``tolerate``."""
-        self.process.stdin.write(json.dumps(command) + "\n")
-        self.process.stdin.flush()
-        deadline = time.monotonic() + answer_within
-        printed = []
-        while True:
-            try:
-                line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                raise DriverError(f"{self.name} lab: no answer to {command['command']} within {answer_within} s; "
-                                  f"it printed: {''.join(printed)[-2000:]}") from None
-            if line is None:
-                self.lines.put(None)  # still exited for the next ask
-                raise DriverError(f"{self.name} lab: the driver exited (code {self.process.poll()}) during "
-                                  f"{command['command']}; it printed: {''.join(printed)[-2000:]}")
-            if line.startswith(ANSWER):
-                reply = {**json.loads(line[len(ANSWER):]), "printed": "".join(printed)}
-                if not reply.get("ok") and not (tolerate and tolerate in reply.get("error", "")):
-                    raise DriverError(f"{self.name} lab: {command['command']} failed: {reply.get('error')}\n"
-                                      f"{reply.get('trace', '')}{reply['printed'][-2000:]}")
-                return reply
-            printed.append(line)
+        reply = super().ask(answer_within, **command)
+        if not reply.get("ok") and not (tolerate and tolerate in reply.get("error", "")):
+            raise DriverError(f"{self.name} lab: {command['command']} failed: {reply.get('error')}\n"
+                              f"{reply.get('trace', '')}{reply['printed'][-2000:]}")
+        return reply
 
     def stop(self) -> float | None:
         """Stop the lab (if the driver still runs); the stop answer's seconds."""
@@ -222,9 +180,7 @@ def run(options) -> dict:
         joiners = []
         try:
             loopback = Driver(hosts, "loopback")
-            # The driver's start answer always carries the join command, which a loopback lab refuses
-            # (LabConfigError) after it has started: that refusal is expected here, and the lab runs.
-            started = loopback.ask(180, tolerate=LOOPBACK_REFUSAL, command="start", ranks=4, **COMMON)
+            started = loopback.ask(180, command="start", ranks=4, **COMMON)
             status = loopback.ask(30, command="status")
             if status["world"] != 4:
                 raise DriverError(f"loopback lab: {status['world']} ranks after start, not 4: {status['status']}")
@@ -268,7 +224,9 @@ def run(options) -> dict:
                     print(f"  warning: a joined engine ({log.name}) outlived its lab by 30 s", flush=True)
                 log.close()
                 if code not in (0, None):
-                    print(f"  note: a joined engine exited with code {code} ({log.name})", flush=True)
+                    said = Path(log.name).read_text().strip().splitlines()
+                    print(f"  note: the join command in {Path(log.name).stem[5:]} exited with code {code} after the "
+                          f"lab stopped (it said: {said[-1] if said else 'nothing'})", flush=True)
 
     print(f"\nDDP ({steps} steps, median step of the slowest rank) and all-reduce ({iters} iterations) on 4 gloo "
           f"ranks, 1 thread each; medians of {options.repeats} repeat(s)")

@@ -1,15 +1,19 @@
-"""The notebook side of the multi-host tests, run inside one network-namespace host.
+"""The notebook side of the multi-host tests, run inside one network-namespace host, and its client.
 
-It reads one JSON command per line on stdin and answers one JSON line on
-stdout, so the test (outside every namespace) can drive a real ``Lab`` whose
-controller listens on that host's address while engines join from the others.
-Also used by ``bench/multihost.py``.
+Run as a script, it reads one JSON command per line on stdin and answers one
+line on stdout, so a test (outside every namespace) can drive a real ``Lab``
+whose controller listens on that host's address while engines join from the
+others. ``DriverClient`` is that test's side. Also used by ``bench/multihost.py``.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import queue
+import subprocess
 import sys
+import threading
 import time
 import traceback
 
@@ -19,6 +23,49 @@ ANSWER = "@@answer "  # the lab prints notes too: answers are the lines that sta
 
 def answer(**reply) -> None:
     print(ANSWER + json.dumps(reply), flush=True)
+
+
+class DriverError(RuntimeError):
+    """The driver did not answer in time, or exited."""
+
+
+class DriverClient:
+    """Runs this module in host 0 of ``hosts`` and asks it one command at a time."""
+
+    def __init__(self, hosts, name: str = "lab"):
+        self.name = name
+        env = dict(os.environ, PYTHONUNBUFFERED="1", IPP_NONINTERACTIVE="1")
+        self.process = hosts.popen(0, [sys.executable, os.path.abspath(__file__)], stdin=subprocess.PIPE,
+                                   stdout=subprocess.PIPE, text=True, env=env)
+        # A thread reads the lines: select() on the pipe would miss a line that readline() already
+        # pulled into the file object's buffer (an answer arriving with the print before it), and wait forever.
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._read, name=f"{name}-driver-output", daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.process.stdout:
+            self.lines.put(line)
+        self.lines.put(None)  # the driver exited
+
+    def ask(self, answer_within: float, **command) -> dict:
+        """Send ``command``; its answer, with what the lab printed before it under "printed"."""
+        self.process.stdin.write(json.dumps(command) + "\n")
+        self.process.stdin.flush()
+        deadline = time.monotonic() + answer_within
+        printed = []
+        while True:
+            try:
+                line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise DriverError(f"{self.name} lab: no answer to {command['command']} within {answer_within} s; "
+                                  f"it printed: {''.join(printed)[-2000:]}") from None
+            if line is None:
+                self.lines.put(None)  # still exited for the next ask
+                raise DriverError(f"{self.name} lab: the driver exited (code {self.process.poll()}) during "
+                                  f"{command['command']}; it printed: {''.join(printed)[-2000:]}")
+            if line.startswith(ANSWER):
+                return {**json.loads(line[len(ANSWER):]), "printed": "".join(printed)}
+            printed.append(line)
 
 
 def all_reduce_sums(rounds: int = 20, numel: int = 1 << 14):

@@ -10,9 +10,6 @@ has, and train on. Nothing touches the machine's own network.
 
 from __future__ import annotations
 
-import json
-import os
-import select
 import shlex
 import subprocess
 import sys
@@ -20,37 +17,13 @@ import time
 
 import pytest
 
-from .multihost_driver import ANSWER
+from .multihost_driver import DriverClient
 from .netns_hosts import NetnsHosts, netns_unavailable
 
 pytestmark = [pytest.mark.lab, pytest.mark.skipif(netns_unavailable() is not None,
                                                    reason=f"network namespaces: {netns_unavailable()}")]
 
-DRIVER = os.path.join(os.path.dirname(__file__), "multihost_driver.py")
 CELL_LIMIT = 25.0
-
-
-class Driver:
-    """The lab's notebook side in host 0, one JSON command and answer at a time."""
-
-    def __init__(self, hosts: NetnsHosts):
-        env = dict(os.environ, PYTHONUNBUFFERED="1", IPP_NONINTERACTIVE="1")
-        self.process = hosts.popen(0, [sys.executable, DRIVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                   text=True, env=env)
-
-    def ask(self, answer_within: float, **command) -> dict:
-        self.process.stdin.write(json.dumps(command) + "\n")
-        self.process.stdin.flush()
-        deadline = time.monotonic() + answer_within
-        printed = []
-        while True:
-            ready, _, _ = select.select([self.process.stdout], [], [], max(0.0, deadline - time.monotonic()))
-            assert ready, f"the lab did not answer {command['command']} within {answer_within} s"
-            line = self.process.stdout.readline()
-            assert line, f"the driver exited (code {self.process.poll()})"
-            if line.startswith(ANSWER):
-                return {**json.loads(line[len(ANSWER):]), "printed": "".join(printed)}
-            printed.append(line)
 
 
 def join(hosts: NetnsHosts, index: int, command: str, name: str) -> subprocess.Popen:
@@ -74,7 +47,7 @@ def hosts():
 
 
 def test_ddp_across_three_hosts_then_a_cut_link_is_named_and_the_lab_shrinks(hosts):
-    driver = Driver(hosts)
+    driver = DriverClient(hosts)
     started = driver.ask(120, command="start", ranks=2, controller_address=hosts.address(0), timeout=CELL_LIMIT,
                          start_timeout=90)
     assert started["ok"], started
@@ -122,7 +95,7 @@ def test_ddp_across_three_hosts_then_a_cut_link_is_named_and_the_lab_shrinks(hos
 
 
 def test_an_encrypted_lab_admits_only_engines_with_its_keys(hosts):
-    driver = Driver(hosts)
+    driver = DriverClient(hosts)
     started = driver.ask(120, command="start", ranks=1, controller_address=hosts.address(0), encrypt=True,
                          start_timeout=90)
     assert started["ok"], started
