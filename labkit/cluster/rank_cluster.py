@@ -319,27 +319,16 @@ class RankCluster:
         self._launch(ranks, deadline, together=False)
         self._assign(self._wait_for_engines(len(ranks), deadline), ranks, deadline)
 
-    def resize(self, dropped, joining: list[tuple[int, dict]], timeout: float | None = None) -> dict[int, int]:
-        """Drop the ranks ``dropped`` (joined ranks that were lost), add ``joining`` engines after the rest;
-        ranks are numbered 0.. again. Returns old rank -> new rank of the ranks kept."""
+    def resize(self, dropped, joining: list[tuple[int, dict]], timeout: float | None = None) -> None:
+        """Drop the ranks ``dropped`` (joined ranks that were lost) and add the ``joining`` engines after the
+        rest; the ranks are numbered 0.. again, in their old order."""
+        self.signal(dropped, signal.SIGKILL)  # if it can still be reached, it must not linger as a rank
         for rank in dropped:
-            record = self.records.pop(rank)
-            self.retired_engines.add(record.engine)
-            self.signal_engine(record.engine, signal.SIGKILL)
-        kept = sorted(self.records)
-        renumbered = {old: new for new, old in enumerate(kept)}
-        self.records = {renumbered[old]: record for old, record in self.records.items()}
+            self.retired_engines.add(self.records.pop(rank).engine)
+        self.records = {new: self.records[old] for new, old in enumerate(sorted(self.records))}
         deadline = time.monotonic() + (timeout or self.start_timeout)
         first = len(self.records)
         self._assign(joining, list(range(first, first + len(joining))), deadline)
-        return renumbered
-
-    def signal_engine(self, engine: int, signum: int) -> None:
-        if self.client is not None and engine in self.client.ids:
-            try:
-                self.client.send_signal(signum, targets=[engine], block=False)
-            except Exception:  # noqa: BLE001 - unreachable: it is gone for the lab either way
-                pass
 
     def place_of(self, rank: int) -> dict:
         """What this rank was told when it became one (its world, host layout, controller)."""
