@@ -32,27 +32,25 @@ def test_cell_magic_without_a_lab_says_how_to_start(shell):
         shell.run_cell_magic("lab", "", "print(rank)")
 
 
-def test_bad_start_arguments_are_refused_before_starting(shell):
-    with pytest.raises(DeviceError, match="at least 1"):
-        shell.run_line_magic("lab", "start 0")
-    with pytest.raises(LabConfigError, match="unknown launcher 'mpich': choose one of .*mpi.*slurm"):
-        shell.run_line_magic("lab", "start 2 --launcher mpich")
-    with pytest.raises(LabConfigError, match="the mpi launcher has no option mpi_argz; its options are: .*mpi_args"):
-        shell.run_line_magic("lab", "start 2 --launcher mpi --launcher-option mpi_argz=[]")
-    with pytest.raises(UsageError, match="expected KEY=VALUE"):
-        shell.run_line_magic("lab", "start 2 --launcher mpi --launcher-option mpi_args")
-    with pytest.raises(LabConfigError, match="controller_address is an IPv4 address"):
-        shell.run_line_magic("lab", "start 2 --controller-address nowhere")
-    with pytest.raises(LabConfigError, match="203.0.113.7 is not an address of this machine"):
-        shell.run_line_magic("lab", "start 2 --controller-address 203.0.113.7")
-    with pytest.raises(LabConfigError, match="no IPv4 interface 'eth99'"):
-        shell.run_line_magic("lab", "start 2 --interface eth99")
-    with pytest.raises(DeviceError, match="nccl needs GPUs"):
-        shell.run_line_magic("lab", "start 2 --backend nccl")
-    with pytest.raises(UsageError, match="invalid choice"):
-        shell.run_line_magic("lab", "start 2 --backend mpi")
-    with pytest.raises(UsageError, match="unknown %lab command"):
-        shell.run_line_magic("lab", "launch 2")
+BAD_STARTS = [  # (%lab line, the error it raises, what the message says)
+    ("start 0", DeviceError, "at least 1"),
+    ("start 2 --launcher mpich", LabConfigError, "unknown launcher 'mpich': choose one of .*mpi.*slurm"),
+    ("start 2 --launcher mpi --launcher-option mpi_argz=[]", LabConfigError,
+     "the mpi launcher has no option mpi_argz; its options are: .*mpi_args"),
+    ("start 2 --launcher mpi --launcher-option mpi_args", UsageError, "expected KEY=VALUE"),
+    ("start 2 --controller-address nowhere", LabConfigError, "controller_address is an IPv4 address"),
+    ("start 2 --controller-address 203.0.113.7", LabConfigError, "203.0.113.7 is not an address of this machine"),
+    ("start 2 --interface eth99", LabConfigError, "no IPv4 interface 'eth99'"),
+    ("start 2 --backend nccl", DeviceError, "nccl needs GPUs"),
+    ("start 2 --backend mpi", UsageError, "invalid choice"),
+    ("launch 2", UsageError, "unknown %lab command"),
+]
+
+
+@pytest.mark.parametrize("line, error, message", BAD_STARTS)
+def test_bad_start_arguments_are_refused_before_starting(shell, line, error, message):
+    with pytest.raises(error, match=message):
+        shell.run_line_magic("lab", line)
 
 
 def test_start_publishes_the_lab(started, capsys):

@@ -11,6 +11,8 @@ status table and the failure messages use.
 
 from __future__ import annotations
 
+import time
+
 import psutil
 
 from labkit.cluster.hosted.host_client import HostError
@@ -41,8 +43,6 @@ def _gone(pid: int) -> bool:
 def exit_code(cluster, pid: int, wait: float = 3.0) -> int | None:
     """The code the process host reports for an ended child, waiting a moment for the report
     (on a loaded machine it can take more than a second)."""
-    import time
-
     deadline = time.monotonic() + wait
     while cluster.host is not None and pid not in cluster.host.exit_codes and time.monotonic() < deadline:
         time.sleep(0.02)

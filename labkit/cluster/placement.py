@@ -174,9 +174,8 @@ def plan_ranks(
     if ranks == 0 and controller_address == LOOPBACK_ADDRESS:
         raise DeviceError("ranks must be at least 1: a lab of 0 ranks here is only for engines that join from other "
                           "machines, which needs controller_address set to this machine's address they reach")
-    if interface is not None:
-        if on_this_machine:
-            address_of(interface)
+    if interface is not None and on_this_machine:
+        address_of(interface)  # a name this machine does not have is refused now
     gpus = (visible_gpus() if on_this_machine else ()) if gpus is None else tuple(gpus)
     if backend is None:
         backend = "nccl" if gpus else "gloo"

@@ -62,6 +62,7 @@ class RankCluster:
         self.retired_engines: set[int] = set()  # engines of replaced or dropped ranks, maybe not yet unregistered
         self.capabilities: dict = {}
         self._settings: dict[int, dict] = {}  # rank -> what it was told when it became one
+        self._connection: dict | None = None  # the controller's engine connection info
         self.sets_started = 0
 
     # -- paths and addresses ------------------------------------------------------
@@ -76,8 +77,11 @@ class RankCluster:
         return os.path.join(self.profile_dir, "log", name)
 
     def engine_connection(self) -> dict:
-        """What an engine needs to reach the controller (ipyparallel's engine connection file)."""
-        return engines.connection_info(self.profile_dir)
+        """What an engine needs to reach the controller (ipyparallel's engine connection file, read once:
+        it holds for the controller's life)."""
+        if self._connection is None:
+            self._connection = engines.connection_info(self.profile_dir)
+        return self._connection
 
     # -- start ----------------------------------------------------------------
 
@@ -376,3 +380,4 @@ class RankCluster:
             self.workdir = None
         self.records.clear()
         self.retired_engines.clear()
+        self._connection = None
