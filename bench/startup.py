@@ -7,7 +7,10 @@ For every N, interleaved so that machine noise hits both sides alike, it measure
               process (as in a notebook where labkit is already imported);
   lab cold    the same from a fresh interpreter (python -c "from labkit import Lab; ..."),
               which is what torchrun's number includes too;
-  torchrun    `torchrun --standalone --nproc_per_node N` of a script that does one all-reduce.
+  torchrun    `torchrun --standalone --nproc_per_node N` of a script that does one all-reduce;
+and the parts of the lab's start (``Session.start_phases``): the controller up, torch imported
+in the process host, engines registered, ranks assigned, the process group formed, the first
+all-reduce; then the first cell. A part that grows is what joined the critical path.
 Then, on a running 4-rank lab, the warm latency of a new cell that all-reduces; and, in a
 fresh interpreter, the notebook side alone: ``%load_ext labkit`` plus ``Lab(ranks=4)``
 (no ranks started), with the heavy libraries that loaded (none, by design).
@@ -51,17 +54,23 @@ lab.stop()
 ALL_REDUCE_CELL = "t = torch.ones(1)\ndist.all_reduce(t)\nt.item()"
 
 
-def time_lab_start(ranks: int) -> float:
+def time_lab_start(ranks: int) -> tuple[float, dict[str, float]]:
+    """Seconds from ``Lab(...).start()`` to a first cell's all-reduce done, and the time of each part."""
     began = time.perf_counter()
     lab = Lab(ranks=ranks, backend="gloo", threads_per_rank=1).start()
     try:
+        started = time.perf_counter()
         # start() already ran one all-reduce to check the group; a user's first cell is what counts.
         shown = lab.run_cell(ALL_REDUCE_CELL, live=False)
         elapsed = time.perf_counter() - began
         assert shown == [repr(float(ranks))] * ranks, shown
+        parts, previous = {}, 0.0
+        for what, at in lab.session.start_phases:
+            parts[what], previous = at - previous, at
+        parts["first cell"] = elapsed - (started - began)
     finally:
         lab.stop()
-    return elapsed
+    return elapsed, parts
 
 
 NOTEBOOK_SIDE_SCRIPT = """
@@ -113,12 +122,16 @@ def main() -> None:
         script = Path(scratch, "one_all_reduce.py")
         script.write_text(TORCHRUN_SCRIPT)
         samples: dict[str, dict[int, list[float]]] = {"lab start": {}, "lab cold": {}, "torchrun": {}}
+        parts: dict[int, dict[str, list[float]]] = {}
         for repeat in range(options.repeats):
             for ranks in options.ranks:
                 samples["torchrun"].setdefault(ranks, []).append(
                     time_command([*torchrun, "--standalone", f"--nproc_per_node={ranks}", str(script)])
                 )
-                samples["lab start"].setdefault(ranks, []).append(time_lab_start(ranks))
+                seconds, lab_parts = time_lab_start(ranks)
+                samples["lab start"].setdefault(ranks, []).append(seconds)
+                for what, took in lab_parts.items():
+                    parts.setdefault(ranks, {}).setdefault(what, []).append(took)
                 samples["lab cold"].setdefault(ranks, []).append(
                     time_command([sys.executable, "-c", COLD_SCRIPT, str(ranks)])
                 )
@@ -133,7 +146,7 @@ def main() -> None:
     warm_median = statistics.median(warm)
     n_mid = 4 if 4 in options.ranks else options.ranks[len(options.ranks) // 2]
     ratios = {
-        f"lab start / torchrun at N={n_mid} (target <= 0.8)": median["lab start"][n_mid] / median["torchrun"][n_mid],
+        f"lab start / torchrun at N={n_mid} (target <= 0.5)": median["lab start"][n_mid] / median["torchrun"][n_mid],
         f"lab cold / torchrun at N={n_mid}": median["lab cold"][n_mid] / median["torchrun"][n_mid],
         f"torchrun N={n_mid} / warm cell (target >= 20)": median["torchrun"][n_mid] / warm_median,
     }
@@ -145,6 +158,10 @@ def main() -> None:
     print(f"{'N':>3}  {'lab start':>10}  {'lab cold':>9}  {'torchrun':>9}")
     for n in options.ranks:
         print(f"{n:>3}  {median['lab start'][n]:>10.2f}  {median['lab cold'][n]:>9.2f}  {median['torchrun'][n]:>9.2f}")
+    part_medians = {n: {what: statistics.median(v) for what, v in by_part.items()} for n, by_part in parts.items()}
+    print(f"\nparts of the lab's start at N={n_mid}, medians, seconds:")
+    for what, took in part_medians[n_mid].items():
+        print(f"  {what:<32} {took:6.2f}")
     print(f"warm cell with one all-reduce, 4 ranks: median {warm_median * 1000:.1f} ms "
           f"(p90 {sorted(warm)[int(0.9 * len(warm)) - 1] * 1000:.1f} ms, {len(warm)} cells)")
     print(f"notebook side (%load_ext labkit + Lab(ranks=4), fresh interpreter): median {notebook_seconds:.3f} s; "
@@ -156,6 +173,7 @@ def main() -> None:
         "repeats": options.repeats,
         "samples": {kind: {str(n): v for n, v in by_n.items()} for kind, by_n in samples.items()},
         "median_seconds": {kind: {str(n): v for n, v in by_n.items()} for kind, by_n in median.items()},
+        "start_parts_median_seconds": {str(n): by_part for n, by_part in part_medians.items()},
         "warm_cell_seconds": warm,
         "notebook_side_seconds": [seconds for seconds, _ in notebook_side],
         "notebook_side_heavy_modules": heavy_loaded,

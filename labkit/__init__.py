@@ -62,3 +62,12 @@ def unload_ipython_extension(shell) -> None:
 # A library logs, the application decides where to: without this, Python's
 # last-resort handler would print the cluster's shutdown chatter into notebooks.
 logging.getLogger("labkit").addHandler(logging.NullHandler())
+
+
+def _say_if_torch_is_untested() -> None:
+    from labkit.spec.torch_version import warn_if_untested
+
+    warn_if_untested(stacklevel=4)  # points at the user's ``import labkit``
+
+
+_say_if_torch_is_untested()

@@ -17,7 +17,7 @@ from __future__ import annotations
 from labkit.cluster.launchers import choose_launcher
 from labkit.cluster.placement import RankPlan, plan_ranks
 from labkit.rank import entry
-from labkit.runs.sources import read_script
+from labkit.runs.sources import read_script, script_argv
 from labkit.runs.status import LabStatus, collect_status
 from labkit.runs.training_run import launch_training
 from labkit.session import Session
@@ -191,9 +191,14 @@ class Lab:
 
         Until then each rank has its own random state, drawn when it started (a replaced
         rank draws afresh), as under torchrun. Returns the seeds."""
-        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**63:
-            raise LabConfigError(f"a seed is an integer from 0 to 2**63 - 1, got {value!r}")
-        return self.session.run(entry.seed, value, bool(same))
+        if not isinstance(same, bool):
+            raise LabConfigError(f"same is True or False, got {same!r}")
+        # Each rank takes value + rank (unless same): every rank's seed must be in range, the last one too.
+        last = 0 if same else max(0, self.world_size - 1)
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 2**63 - 1 - last:
+            most = "2**63 - 1" if not last else f"2**63 - {last + 1} (rank {last} takes seed + {last})"
+            raise LabConfigError(f"a seed is an integer from 0 to {most}, got {value!r}")
+        return self.session.run(entry.seed, value, same)
 
     # -- control of running work ----------------------------------------------
 
@@ -230,17 +235,19 @@ class Lab:
         return self.session.run(fn, *args, timeout=timeout, **kwargs)
 
     def run_cell(
-        self, code: str, ranks=None, timeout: float | None = None, live: bool | None = None, show_values: bool = False
+        self, code: str, ranks=None, timeout: float | None = None, live: bool | None = None, show_values: bool = False,
+        cell: int | None = None,
     ) -> list:
         """Run notebook code on the ranks (all, or ``ranks``); output is labelled by rank.
 
         Returns the repr of each rank's last expression (None where there is none);
         ``show_values`` also prints them as ``[rank r] Out: ...``, as ``%%lab`` does.
         ``live`` forces (True) or avoids (False) the redrawn notebook display.
+        ``cell``: the execution count of the ``%%lab`` cell ``code`` is from (tracebacks name ``In[cell]``).
         """
-        targets = self.session.targets(ranks)
-        reports = self.session.execute(targets, entry.run_cell, (code,), timeout, live=live, show_values=show_values)
-        return [reports[rank].get("display") for rank in targets]
+        # The ranks are named after the heal that comes first (it may renumber them).
+        reports = self.session.execute(ranks, entry.run_cell, (code, cell), timeout, live=live, show_values=show_values)
+        return [reports[rank].get("display") for rank in sorted(reports)]
 
     def run_script(self, path: str, *args, ranks=None, timeout: float | None = None) -> None:
         """Run a script written for torchrun, unmodified, as ``__main__`` on every rank (or ``ranks``).
@@ -249,8 +256,7 @@ class Lab:
         ``destroy_process_group()`` leaves it, ``sys.exit(0)`` succeeds (see ``script_runner``).
         """
         source, where = read_script(path)
-        self.session.execute(self.session.targets(ranks), entry.run_script, (source, where, [str(a) for a in args]),
-                             timeout)
+        self.session.execute(ranks, entry.run_script, (source, where, script_argv(path, args)), timeout)
 
     def tasks(self, fn, items, timeout: float | None = None, retries: int | None = None, live: bool | None = None):
         """Run ``fn(item)`` for every item on whichever rank is idle (a work-stealing queue).
@@ -345,7 +351,9 @@ class Lab:
 
     def save(self, path: str, timeout: float | None = None) -> str:
         """Save the training state the ranks hold (model, optimizer, step, data position, random
-        state) as a checkpoint directory at ``path``; atomic: a save cut short leaves the previous one."""
+        state) as a checkpoint directory at ``path``: a new path, an empty folder, or a checkpoint
+        labkit wrote, which it replaces (anything else is refused, nothing of yours is moved or
+        deleted). Atomic: a kill at any instant leaves the old or the new checkpoint whole."""
         from labkit.runs.checkpoints import save
 
         return save(self.session, path, self.session.limit(timeout))
@@ -354,7 +362,8 @@ class Lab:
         """Load a checkpoint (or the newest in a ``checkpoint_dir``) into the ranks, resharded to them.
 
         ``settings`` may change how it is split (``strategy``, ``mesh``) but not the model. Then
-        ``lab.train(steps=N, resume=True)`` continues from its step. Returns the run's config."""
+        ``lab.train(steps=N, resume=True)`` continues from its step. Returns the run's config.
+        A damaged checkpoint is refused, naming the file, before the ranks drop what they hold."""
         from labkit.runs.checkpoints import load
 
         config = load(self.session, path, self.session.limit(timeout), mesh=mesh, **settings)

@@ -30,125 +30,13 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 
 from labkit.lab import Lab
-from labkit.network_magics import add_network_arguments, join_command_line, network_settings
-from labkit.queue_magics import ensemble_command, tasks_command
+from labkit.magic_args import HELP_WORDS, CommandParser, HelpShown, asks_for_help, unknown_word
+from labkit.magic_help import described_parsers, overview
+from labkit.magic_parsers import build_parsers, duration, rank_list, run_own_words, seconds, split_run_words
+from labkit.network_magics import join_command_line, network_settings
+from labkit.queue_magics import ensemble_command, ensemble_parser, tasks_command, tasks_parser
 from labkit.runs.link import link_command
 from labkit.spec.mesh import MeshSpec
-from labkit.strategies.catalog import CATALOG, settings_by_name
-from labkit.units import parse_duration, positive_seconds, power_of_two_range
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse that reports mistakes as IPython usage errors instead of exiting."""
-
-    def error(self, message):
-        raise UsageError(f"{self.prog}: {message}\n{self.format_usage().strip()}")
-
-
-def _seconds(text: str) -> float:
-    try:
-        return positive_seconds("a time limit", float(text))
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
-
-
-def _rank_list(text: str) -> list[int]:
-    try:
-        return [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"ranks are written 0,2,3; got {text!r}") from None
-
-
-def _settings(text: str) -> dict:
-    """``dim=128,layers=8`` -> {"dim": 128, "layers": 8} (integers where they are integers)."""
-    settings = {}
-    for word in text.replace(" ", ",").split(","):
-        if not word:
-            continue
-        name, equals, value = word.partition("=")
-        if not equals:
-            raise argparse.ArgumentTypeError(f"write settings as name=value, got {word!r}")
-        settings[name] = int(value) if value.lstrip("-").isdigit() else value
-    return settings
-
-
-def _size_range(text: str) -> list[int]:
-    """``1KB:16MB`` -> every power of two from 1 KiB to 16 MiB (see ``labkit.units``)."""
-    try:
-        return power_of_two_range(text)
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
-
-
-def _duration(text: str) -> float | None:
-    """``30ms`` -> 0.03, ``0.5s`` or ``0.5`` -> 0.5, ``off`` -> None."""
-    try:
-        return parse_duration(text)
-    except ValueError as error:
-        raise UsageError(str(error)) from None
-
-
-def _train_parser():
-    """``%lab train``'s options: only the ones given reach ``Lab.train``, whose defaults apply.
-
-    Each strategy's own settings come from the catalog, so a new strategy brings its options."""
-    train = _Parser(prog="%lab train", add_help=False, argument_default=argparse.SUPPRESS)
-    train.add_argument("--strategy", help=f"{', '.join(CATALOG)} or a composition like fsdp+tp")
-    train.add_argument("--model", choices=("mlp", "gpt"))
-    train.add_argument("--steps", type=int)
-    train.add_argument("--resume", action="store_true", help="continue the last run from where it stopped")
-    train.add_argument("--mesh", help="axis sizes for a composition, e.g. dp=2,tp=2")
-    train.add_argument("--batch", type=int, dest="global_batch", help="global batch (samples per step)")
-    train.add_argument("--micro-batches", type=int,
-                       help="accumulation steps; pipeline microbatches (default: the number of stages under pp, else 1)")
-    train.add_argument("--lr", type=float)
-    train.add_argument("--optimizer", choices=("adamw", "sgd"))
-    train.add_argument("--seed", type=int)
-    train.add_argument("--max-memory", help="per-rank budget for params + grads + optimizer state, e.g. 64MB")
-    train.add_argument("--verify", action="store_true", help="compare with single-process training")
-    train.add_argument("--precision", choices=("fp32", "bf16"),
-                       help="bf16: autocast (FSDP: its mixed-precision policy); fp32 keeps the equivalence proof")
-    train.add_argument("--tf32", action="store_true", help="TensorFloat-32 matrix products on NVIDIA GPUs")
-    train.add_argument("--peak-tflops", type=float, help="one device's peak TFLOP/s for MFU, where the lab has none")
-    train.add_argument("--log-every", type=int)
-    train.add_argument("--model-settings", type=_settings, help="e.g. dim=128,layers=8")
-    train.add_argument("--timeout", type=_seconds)
-    train.add_argument("--dashboard", action="store_true",
-                       help="draw it live and train in the background (Stop button; the cell returns the run)")
-    train.add_argument("--straggler-threshold", type=float)
-    for name, (owner, setting) in settings_by_name().items():
-        described = f"{owner}: {setting.help} (default {setting.default})"
-        if isinstance(setting.default, bool):
-            action = "store_false" if setting.default else "store_true"
-            train.add_argument(setting.option, dest=name, action=action, help=described)
-        else:
-            train.add_argument(setting.option, dest=name, type=type(setting.default),
-                               choices=setting.choices or None, help=described)
-    return train
-
-
-def _build_parsers():
-    start = _Parser(prog="%lab start", add_help=False)
-    start.add_argument("ranks", nargs="?", type=int, default=4)
-    start.add_argument("--backend", choices=("gloo", "nccl"))
-    start.add_argument("--timeout", type=_seconds, help="default limit for each cell, seconds")
-    start.add_argument("--start-timeout", type=_seconds, help="limit for the ranks to come up, seconds")
-    start.add_argument("--threads", type=int, help="torch threads per rank")
-    start.add_argument("--check-collectives", action="store_true",
-                       help="compare every collective across ranks first; a mismatch names each rank's call")
-    start.add_argument("--oversubscribe", action="store_true",
-                       help="start more ranks than this machine's memory and cores are judged to hold")
-    add_network_arguments(start)
-    train = _train_parser()
-    bench = _Parser(prog="%lab bench", add_help=False)
-    bench.add_argument("operation", choices=("allreduce", "all_reduce", "allgather", "all_gather", "reduce_scatter",
-                                             "reducescatter", "broadcast"))
-    bench.add_argument("--sizes", type=_size_range, help="e.g. 1KB:16MB (powers of two between)")
-    bench.add_argument("--iters", type=int, help="repetitions per size (default: more for small sizes)")
-    cell = _Parser(prog="%%lab", add_help=False)
-    cell.add_argument("--ranks", type=_rank_list, help="run on these ranks only, e.g. 0,2")
-    cell.add_argument("--timeout", type=_seconds, help="limit for this cell, seconds")
-    return start, train, bench, cell
 
 
 @magics_class
@@ -158,7 +46,18 @@ class LabMagics(Magics):
     def __init__(self, shell):
         super().__init__(shell)
         self.lab: Lab | None = None
-        self._start_parser, self._train_parser, self._bench_parser, self._cell_parser = _build_parsers()
+        self._start_parser, self._train_parser, self._bench_parser, self._cell_parser = build_parsers()
+        self._described = described_parsers()  # only for --help: those commands read their words by hand
+
+    def _parser(self, command: str) -> CommandParser:
+        own = {"start": self._start_parser, "train": self._train_parser, "bench": self._bench_parser}
+        if command in own:
+            return own[command]
+        if command == "tasks":
+            return tasks_parser()
+        if command == "ensemble":
+            return ensemble_parser()
+        return self._described[command]
 
     # -- dispatch -------------------------------------------------------------
 
@@ -184,20 +83,23 @@ class LabMagics(Magics):
         %lab join-command      the line that makes another machine's engine join as the next rank
         %lab status | %lab timeout S | %lab restart | %lab stop
         %%lab [--ranks 0,2] [--timeout S]       run the cell on the ranks
+        %lab --help | %lab COMMAND --help      every command in one line | one command's options
         """
         if cell is not None:
+            if asks_for_help(shlex.split(line)):  # help only: the cell does not run
+                self._cell_parser.print_help()
+                return None
             return self._run_cell(line, cell)
         words = shlex.split(line)
         if not words:
             return self.status("")
         command, rest = words[0], words[1:]
-        handlers = {
+        if command in HELP_WORDS:
+            print(overview(), end="")
+            return None
+        handlers = {  # in the order of %lab --help
             "start": self.start,
             "mesh": self.mesh,
-            "status": self.status,
-            "stop": self.stop,
-            "restart": self.restart,
-            "timeout": self.timeout,
             "train": self.train,
             "slow": self.slow,
             "link": lambda words: link_command(self._require_lab(), words),
@@ -207,13 +109,27 @@ class LabMagics(Magics):
             "checkpoint": self.checkpoint,
             "kill": self.kill,
             "heal": self.heal,
+            "tasks": lambda words: tasks_command(self._require_lab, words, self.shell.user_ns),
+            "ensemble": lambda words: ensemble_command(self._require_lab, words),
             "join-command": lambda words: join_command_line(self._require_lab()),
-            "tasks": lambda words: tasks_command(self._require_lab(), words, self.shell.user_ns),
-            "ensemble": lambda words: ensemble_command(self._require_lab(), words),
+            "status": self.status,
+            "timeout": self.timeout,
+            "restart": self.restart,
+            "stop": self.stop,
         }
         if command not in handlers:
-            raise UsageError(f"unknown %lab command {command!r}; use one of: {', '.join(handlers)}")
-        return handlers[command](rest)
+            said = unknown_word("command", command, handlers)
+            said += " The commands: " if said.endswith("?") else "; the commands: "
+            raise UsageError(f"{said}{', '.join(handlers)} (see %lab --help)")
+        # %lab run's words after the script are the script's own: its --help is the script's.
+        own = run_own_words(rest) if command == "run" else rest
+        if asks_for_help(own):
+            self._parser(command).print_help()
+            return None
+        try:
+            return handlers[command](rest)
+        except HelpShown:  # a parser printed its help
+            return None
 
     def _require_lab(self) -> Lab:
         if self.lab is None or not self.lab.running:
@@ -262,8 +178,8 @@ class LabMagics(Magics):
         return None
 
     def train(self, words):
+        options = vars(self._train_parser.parse_args(words))  # mistakes first, lab or not
         lab = self._require_lab()
-        options = vars(self._train_parser.parse_args(words))
         mesh_text = options.pop("mesh", None)
         mesh = None
         if mesh_text:
@@ -302,7 +218,7 @@ class LabMagics(Magics):
             rank = int(words[0])
         except ValueError:
             raise UsageError(f"the rank is a number, got {words[0]!r}") from None
-        print(lab.slow(rank, _duration(words[1])))
+        print(lab.slow(rank, duration(words[1])))
         return None
 
     def seed(self, words):
@@ -317,24 +233,20 @@ class LabMagics(Magics):
 
     def run_script(self, words):
         lab = self._require_lab()
-        options = {"--ranks": None, "--timeout": None}
-        while words and words[0] in options:  # options stand before the script; the rest is its own
-            if len(words) < 2:
-                raise UsageError(f"{words[0]} needs a value, e.g. %lab run --ranks 0,2 train.py")
-            options[words[0]], words = words[1], words[2:]
+        options, words = split_run_words(words)
         if not words:
             raise UsageError("give the script, e.g. %lab run train.py --epochs 2")
         try:
-            ranks = _rank_list(options["--ranks"]) if options["--ranks"] else None
-            timeout = _seconds(options["--timeout"]) if options["--timeout"] else None
+            ranks = rank_list(options["--ranks"]) if options["--ranks"] else None
+            timeout = seconds(options["--timeout"]) if options["--timeout"] else None
         except (ValueError, argparse.ArgumentTypeError) as error:
             raise UsageError(f"%lab run: {error}") from None
         lab.run_script(words[0], *words[1:], ranks=ranks, timeout=timeout)
         return None
 
     def bench(self, words):
-        lab = self._require_lab()
         options = self._bench_parser.parse_args(words)
+        lab = self._require_lab()
         return lab.bench_collective(options.operation, sizes=options.sizes, iterations=options.iters)
 
     def mesh(self, words) -> MeshSpec:
@@ -368,7 +280,7 @@ class LabMagics(Magics):
         if len(words) != 1:
             raise UsageError("give the limit in seconds, e.g. %lab timeout 60")
         try:
-            lab.timeout = _seconds(words[0])
+            lab.timeout = seconds(words[0])
         except (ValueError, argparse.ArgumentTypeError) as error:
             raise UsageError(f"%lab timeout: {error}") from None
         print(f"each cell may now run for {lab.timeout:g} s")
@@ -379,7 +291,8 @@ class LabMagics(Magics):
     def _run_cell(self, line: str, cell: str):
         lab = self._require_lab()
         options = self._cell_parser.parse_args(shlex.split(line))
-        lab.run_cell(cell, ranks=options.ranks, timeout=options.timeout, show_values=True)
+        lab.run_cell(cell, ranks=options.ranks, timeout=options.timeout, show_values=True,
+                     cell=self.shell.execution_count)
         return None
 
     # -- extension lifecycle ---------------------------------------------------

@@ -27,14 +27,14 @@ def _launcher_option(text: str) -> tuple[str, object]:
 
 
 def add_network_arguments(start: argparse.ArgumentParser) -> None:
-    start.add_argument("--launcher", default="hosted",
+    start.add_argument("--launcher", default="hosted", metavar="NAME",
                        help="ipyparallel engine launcher: hosted (the lab's own), mpi, ssh, slurm, ...")
     start.add_argument("--launcher-option", type=_launcher_option, action="append", default=[],
-                       dest="launcher_options", help="an option of the launcher, KEY=VALUE (repeatable)")
-    start.add_argument("--controller-address", help="this machine's address that other hosts reach (default: "
-                                                     "loopback, one machine)")
-    start.add_argument("--interface", help="network interface for gloo/nccl on every rank")
-    start.add_argument("--ranks-per-host", type=int, help="ranks a host may hold (nccl: its GPUs)")
+                       dest="launcher_options", metavar="KEY=VALUE", help="an option of the launcher (repeatable)")
+    start.add_argument("--controller-address", metavar="A",
+                       help="this machine's address that other hosts reach (default: loopback, one machine)")
+    start.add_argument("--interface", metavar="I", help="network interface for gloo/nccl on every rank")
+    start.add_argument("--ranks-per-host", type=int, metavar="K", help="ranks a host may hold (nccl: its GPUs)")
     start.add_argument("--encrypt", action="store_true", help="CurveZMQ encryption on every ipyparallel socket")
 
 

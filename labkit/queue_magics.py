@@ -12,43 +12,42 @@ and call the ``Lab``.
 
 from __future__ import annotations
 
-import argparse
-
 from IPython.core.error import UsageError
 
+from labkit.magic_args import CommandParser
+from labkit.magic_help import command_parser
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):
-        raise UsageError(f"{self.prog}: {message}\n{self.format_usage().strip()}")
-
-
-def _tasks_parser() -> _Parser:
-    parser = _Parser(prog="%lab tasks", add_help=False)
-    parser.add_argument("function", help="the name of a function in the notebook, called with each item")
-    parser.add_argument("items", help="the name of a list (or any iterable) in the notebook")
-    parser.add_argument("--timeout", type=float, help="limit for each task, seconds")
+def tasks_parser() -> CommandParser:
+    parser = command_parser("tasks")
+    parser.add_argument("function", metavar="FN", help="the name of a function in the notebook, called with each item")
+    parser.add_argument("items", metavar="ITEMS", help="the name of a list (or any iterable) in the notebook")
+    parser.add_argument("--timeout", type=float, metavar="S", help="limit for each task, seconds")
     parser.add_argument("--retries", type=int, help="how often a task may be requeued after its rank is lost")
     return parser
 
 
-def _ensemble_parser() -> _Parser:
+def ensemble_parser() -> CommandParser:
     from labkit.runs.ensemble import COMBINES, VARIES  # numpy, only when an ensemble is asked for
 
-    parser = _Parser(prog="%lab ensemble", add_help=False)
-    parser.add_argument("--model", default="gpt", choices=("gpt", "mlp"))
-    parser.add_argument("--members", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--vary", default="seed", choices=VARIES)
-    parser.add_argument("--combine", default="mean", choices=COMBINES)
-    parser.add_argument("--lr", type=float)
-    parser.add_argument("--seed", type=int)
-    parser.add_argument("--timeout", type=float, help="limit for each member, seconds")
+    parser = command_parser("ensemble")
+    parser.add_argument("--model", default="gpt", choices=("gpt", "mlp"), help="the zoo model (default gpt)")
+    parser.add_argument("--members", type=int, default=4, help="members trained apart (default 4)")
+    parser.add_argument("--steps", type=int, default=30, help="steps each member trains (default 30)")
+    parser.add_argument("--vary", default="seed", choices=VARIES,
+                        help="what differs between members: initial weights or learning rate (default seed)")
+    parser.add_argument("--combine", default="mean", choices=COMBINES,
+                        help="averaged probabilities or a vote (default mean)")
+    parser.add_argument("--lr", type=float, help="learning rate (with --vary lr: the middle of the spread)")
+    parser.add_argument("--seed", type=int, help="the first member's seed (under --vary seed member i takes seed + i)")
+    parser.add_argument("--timeout", type=float, metavar="S", help="limit for each member, seconds")
     return parser
 
 
-def tasks_command(lab, words: list[str], namespace: dict):
-    options = _tasks_parser().parse_args(words)
+def tasks_command(require_lab, words: list[str], namespace: dict):
+    """``require_lab()`` gives the running lab (or says how to start one), asked once the words are read."""
+    options = tasks_parser().parse_args(words)
+    lab = require_lab()
     missing = [name for name in (options.function, options.items) if name not in namespace]
     if missing:
         raise UsageError(f"%lab tasks takes names defined in the notebook; {', '.join(missing)} is not one")
@@ -56,8 +55,9 @@ def tasks_command(lab, words: list[str], namespace: dict):
                      retries=options.retries)
 
 
-def ensemble_command(lab, words: list[str]):
-    options = vars(_ensemble_parser().parse_args(words))
+def ensemble_command(require_lab, words: list[str]):
+    options = vars(ensemble_parser().parse_args(words))
+    lab = require_lab()
     settings = {name: options.pop(name) for name in ("lr", "seed", "timeout") if options[name] is not None}
     for name in ("lr", "seed", "timeout"):
         options.pop(name, None)

@@ -32,6 +32,7 @@ from labkit.cluster.placement import RankPlan
 from labkit.cluster.rank_cluster import RankCluster
 from labkit.rank import entry
 from labkit.runs.dispatch import RankWork, make_output
+from labkit.runs.notebook_process import NotebookProcess
 from labkit.runs.sources import notebook_sources
 from labkit.spec.errors import (
     LabBusy,
@@ -78,7 +79,9 @@ class Session:
         self.generation = 0
         self.mesh_spec: MeshSpec | None = None
         self.started_seconds: float | None = None
+        self.start_phases: list[tuple[str, float]] = []  # (part of the start, seconds from its beginning)
         self.control = ControlRequests()
+        self.notebook = NotebookProcess()  # user work runs in its folder, umask and environment changes
         # The simulated slow link (a spec.link.LinkSpec, lab.link), kept like the mesh: every group formed gets it.
         self.link = None
         self.last_training: TrainingRecord | None = None  # what the ranks' TrainState holds
@@ -105,6 +108,8 @@ class Session:
                 return
             self.stop()
         began = time.monotonic()
+        self.start_phases = []
+        self.notebook = NotebookProcess()  # the environment the ranks start with: changes are counted from here
         cluster = RankCluster(self.plan, start_timeout=self.start_timeout, launcher=self.launcher,
                               encrypt=self.encrypt)
         cluster.start()
@@ -118,11 +123,16 @@ class Session:
         atexit.register(self._atexit)
         try:
             self.form_group()
+            formed = time.monotonic()
             self.check_group()
         except BaseException:
             self.stop()
             raise
         self.started_seconds = time.monotonic() - began
+        # How long each part of the start took (bench/startup.py prints them).
+        marks = [*cluster.phases, ("process group formed", formed), ("first all-reduce", began + self.started_seconds)]
+        self.start_phases = [(what, at - began) for what, at in marks]
+        cluster.warm_host()
 
     def stop(self) -> None:
         holder = self._holder
@@ -189,13 +199,21 @@ class Session:
         return self.timeout if timeout is None else positive_seconds("timeout", timeout)
 
     def targets(self, ranks) -> list[int]:
+        """The ranks ``ranks`` names (None: all, one rank number, or a list of them), checked against the
+        world now."""
         if ranks is None:
             return list(range(self.world_size))
-        targets = sorted(set(int(rank) for rank in ranks))
-        wrong = [rank for rank in targets if not 0 <= rank < self.world_size]
-        if wrong or not targets:
-            raise ValueError(f"ranks must be between 0 and {self.world_size - 1}, got {list(ranks)}")
-        return targets
+        given = [ranks] if isinstance(ranks, int) and not isinstance(ranks, bool) else ranks
+        try:
+            given = list(given)
+        except TypeError:
+            given = None
+        wrong = given is None or not given or any(isinstance(rank, bool) or not isinstance(rank, int)
+                                                  or not 0 <= rank < self.world_size for rank in given)
+        if wrong:
+            raise LabConfigError(f"ranks is a rank number or a list of them, each from 0 to {self.world_size - 1}, "
+                                 f"got {ranks!r}")
+        return sorted(set(given))
 
     def begin(self, ranks, work_entry, args, limit: float, output, on_tick=None, on_interrupt=None) -> RankWork:
         """Start ``work_entry(*args, limit)`` on ``ranks``; the caller waits and checks ``failure``."""
@@ -203,7 +221,7 @@ class Session:
         try:
             return RankWork(cluster, ranks, work_entry, (*args, limit), timeout=limit,
                             interrupt_grace=self.interrupt_grace, output=output, on_tick=on_tick,
-                            on_interrupt=on_interrupt)
+                            on_interrupt=on_interrupt, notebook=self.notebook)
         except (TypeError, AttributeError, pickle.PicklingError) as error:
             # Sending pickles the function and its arguments; nothing reached a rank that could run.
             raise LabConfigError(
@@ -256,6 +274,7 @@ class Session:
         """Replace or drop ``broken`` ranks, adopt ``joining`` engines, form the group; the note to show."""
         dropped = sorted(rank for rank in broken if cluster.records[rank].joined)
         replaced = sorted(set(broken) - set(dropped))
+        kept = [rank for rank in cluster.ranks if rank not in broken]  # these keep their namespaces
         parts = [f"rank {rank} {reason}" for rank, reason in sorted(broken.items())]
         if replaced:
             cluster.replace(replaced)
@@ -275,8 +294,11 @@ class Session:
                              "(set one with lab.mesh)")
                 self.mesh_spec = None
         self.form_group()
-        return (f"labkit: {'; '.join(parts)}. The process group was rebuilt (generation {self.generation}); the "
-                "other ranks kept their variables.")
+        # Say that variables were kept only where some rank kept them.
+        namespaces = ("the other ranks kept their variables" if kept else
+                      "no rank kept its variables: every rank is a fresh process with an empty namespace")
+        return (f"labkit: {'; '.join(parts)}. The process group was rebuilt (generation {self.generation}); "
+                f"{namespaces}.")
 
     def kill(self, rank) -> str:
         """SIGKILL ``rank``'s process, busy or not; say which."""
@@ -288,9 +310,18 @@ class Session:
         return f"rank {rank} (pid {pid}) killed with SIGKILL"
 
     def execute(self, ranks, work_entry, args, timeout=None, live=None, show_values=False) -> dict[int, dict]:
-        """User work on ``ranks`` within ``timeout``: every rank's report, or one raised failure."""
+        """User work on ``ranks`` (None: every rank) within ``timeout``: every rank's report (by rank), or
+        one raised failure.
+
+        The ranks are healed first and only then targeted: a heal may drop a lost rank that joined
+        from another machine and renumber the others, so "every rank" means every rank after it."""
+        limit = self.limit(timeout)  # refused before anything happens
+        before = self.world_size
+        asked = self.targets(ranks)
         self.ready()
-        limit = self.limit(timeout)
+        if self.world_size != before and asked == list(range(before)):
+            ranks = None  # the caller listed every rank the lab had: it meant all of them
+        ranks = self.targets(ranks)
         work = self.begin(ranks, work_entry, args, limit, make_output(ranks, live=live, show_values=show_values))
         reports = work.wait()
         if work.failed:
@@ -299,9 +330,8 @@ class Session:
 
     def run(self, fn, *args, timeout=None, **kwargs) -> list:
         """``fn(*args, **kwargs)`` on every rank; the results in rank order."""
-        ranks = self.targets(None)
-        reports = self.execute(ranks, entry.call, (fn, args, kwargs, notebook_sources(fn)), timeout)
-        return [reports[rank]["value"] for rank in ranks]
+        reports = self.execute(None, entry.call, (fn, args, kwargs, notebook_sources(fn)), timeout)
+        return [reports[rank]["value"] for rank in sorted(reports)]
 
     def call(self, ranks, work_entry, args, timeout: float) -> list:
         """One of the lab's own entry points (not user work) on ``ranks``, within ``timeout``."""
@@ -326,7 +356,10 @@ class Session:
             self.build_mesh(self.mesh_spec)
 
     def check_group(self) -> None:
-        sums = self.call(range(self.world_size), entry.all_reduce_check, (), self.start_timeout)
+        from labkit.runs.link import waiting_notice  # its all-reduce crosses the simulated link: say so if slow
+
+        with waiting_notice(self.link, "check their new process group"):
+            sums = self.call(range(self.world_size), entry.all_reduce_check, (), self.start_timeout)
         if any(value != self.world_size for value in sums):
             raise LabError(f"the first all-reduce gave {sums}, expected {self.world_size} on every rank")
 

@@ -97,10 +97,17 @@ def parse_duration(text: str) -> float | None:
     return value or None
 
 
+# The longest time limit the lab takes. Limits reach the ranks' sockets and torch's stores as
+# milliseconds in a C int (at most about 24.8 days); a week is far past any cell or run and
+# safely below that, so an absurd limit is refused here instead of failing every later call.
+MAX_SECONDS = 7 * 24 * 3600
+
+
 def positive_seconds(name: str, value) -> float:
-    """A time limit: a finite number of seconds above zero."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
-        raise ValueError(f"{name} must be a positive, finite number of seconds, got {value!r}")
+    """A time limit: a number of seconds above zero and at most ``MAX_SECONDS`` (a week)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= MAX_SECONDS:
+        raise ValueError(f"{name} must be a positive, finite number of seconds, at most {MAX_SECONDS} (7 days); "
+                         f"got {value!r}")
     return float(value)
 
 

@@ -1,12 +1,17 @@
 """The instruments notebook in a real browser: JupyterLab on loopback, headless Chromium.
 
 Playwright drives Debian's Chromium (``executable_path``; no browser download).
-The test opens ``notebooks/05_instruments.ipynb``, runs every cell, checks that
-the live dashboard appears and changes while training runs, and saves a
-screenshot to ``tests/artifacts/dashboard.png``. Without Chromium or Playwright
-it is skipped with the reason; ``.ci/run`` installs both.
+The first test opens ``notebooks/05_instruments.ipynb``, runs every cell, checks
+that the live dashboard appears and changes while training runs, and saves a
+screenshot to ``tests/artifacts/dashboard.png``. The second runs a small notebook
+of its own: a foreground dashboard run and a short one under ``--dashboard``;
+each must leave one picture (the widget replaced, not followed by a copy), no
+progress lines in the cell, and a run whose shown state is its final one.
+Without Chromium or Playwright they are skipped with the reason; ``.ci/run``
+installs both.
 """
 
+import json
 import os
 import shutil
 import socket
@@ -65,7 +70,7 @@ def jupyterlab(tmp_path_factory):
                 server.kill()
                 pytest.fail(f"JupyterLab did not start; its log:\n{(root / 'jupyterlab.log').read_text()[-3000:]}")
             time.sleep(0.5)
-    yield f"{base}/lab/tree/instruments.ipynb?token={token}"
+    yield lambda notebook: f"{base}/lab/tree/{notebook}?token={token}", root
     server.terminate()
     try:
         server.wait(20)
@@ -106,12 +111,14 @@ def _dashboard_pictures(page) -> list[str]:
 def test_dashboard_renders_and_changes_while_training(jupyterlab):
     from playwright.sync_api import sync_playwright
 
+    url, _ = jupyterlab
+
     ARTIFACTS.mkdir(exist_ok=True)
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
         try:
             page = browser.new_page(viewport={"width": 1400, "height": 1000})
-            page.goto(jupyterlab)
+            page.goto(url("instruments.ipynb"))
             try:
                 _run_all_cells(page)
                 # Attached, not visible: JupyterLab may keep cells outside the view unpainted.
@@ -133,6 +140,60 @@ def test_dashboard_renders_and_changes_while_training(jupyterlab):
             # The notebook goes on to the timelines and stops the lab: let it, so no rank is left.
             page.wait_for_selector("text=lab stopped: no rank, controller or port left", state="attached",
                                    timeout=300_000)
+            assert page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']").filter(
+                has_text="Traceback").count() == 0
+        finally:
+            browser.close()
+
+
+SHOWN_ONCE_CELLS = [
+    "%load_ext labkit\n%lab start 2 --backend gloo --threads 1",
+    'report = lab.train("ddp", "mlp", steps=60, log_every=10, dashboard=True)\nprint("foreground done")',
+    "run = %lab train --model mlp --steps 5 --dashboard\nrun",
+    'run.wait()\nprint("background done")',
+    "%lab stop",
+]
+
+
+def _notebook(cells: list[str]) -> dict:
+    code = [{"cell_type": "code", "execution_count": None, "metadata": {}, "outputs": [], "source": source}
+            for source in cells]
+    return {"cells": code, "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3",
+                                                       "language": "python"}},
+            "nbformat": 4, "nbformat_minor": 5}
+
+
+def test_a_dashboard_is_shown_once_without_progress_lines_and_its_run_shows_how_it_ended(jupyterlab):
+    from playwright.sync_api import sync_playwright
+
+    url, root = jupyterlab
+    (root / "shown_once.ipynb").write_text(json.dumps(_notebook(SHOWN_ONCE_CELLS)))
+    ARTIFACTS.mkdir(exist_ok=True)
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page.goto(url("shown_once.ipynb"))
+            try:
+                _run_all_cells(page)
+                page.wait_for_selector("text=lab stopped: no rank, controller or port left", state="attached",
+                                       timeout=400_000)
+            except Exception:
+                page.screenshot(path=str(ARTIFACTS / "shown_once_failure.png"))
+                raise
+            cells = page.locator(".jp-Notebook .jp-CodeCell")
+            foreground, background = cells.nth(1), cells.nth(2)
+            foreground.scroll_into_view_if_needed()
+            page.screenshot(path=str(ARTIFACTS / "dashboard_final.png"), full_page=False)
+            for cell in (foreground, background):
+                output = cell.locator(".jp-OutputArea")
+                # One picture: the live widget was replaced by the final one, not followed by it.
+                assert output.locator("img").count() == 1
+                assert output.locator("img.widget-image").count() == 0
+                assert "[rank 0] step" not in output.inner_text(), "progress lines stay out of the cell"
+            assert "foreground done" in foreground.locator(".jp-OutputArea").inner_text()
+            shown = background.locator(".jp-OutputArea").inner_text()
+            assert "starting" not in shown and "done: 5 steps" in shown, shown
             assert page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']").filter(
                 has_text="Traceback").count() == 0
         finally:

@@ -4,7 +4,7 @@ import importlib
 
 import pytest
 
-from labkit.magics import _train_parser
+from labkit.magic_parsers import train_parser as _train_parser
 from labkit.runs.budget import sharded_estimates  # noqa: F401 - imports the catalog's consumer
 from labkit.spec.train_config import resolve, user_settings
 from labkit.strategies.catalog import (

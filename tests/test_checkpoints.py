@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from labkit import Lab, LabConfigError, RankFailure
+from labkit import Lab, LabBusy, LabConfigError, RankFailure
 from labkit.rank.entry import this_rank
 
 pytestmark = pytest.mark.lab
@@ -91,6 +91,8 @@ def test_a_save_cut_short_leaves_the_previous_checkpoint(lab, tmp_path):
     assert any(name.startswith(".partial-") for name in os.listdir(tmp_path))
     lab.load(path)  # the old one, whole; the partial one ignored
     assert all(same(before, got) and step == 2 for got, step in lab.run(whole_parameters))
+    lab.save(path)  # and the next save removes what the cut one left
+    assert os.listdir(tmp_path) == ["ckpt"]
 
 
 def _after_first_checkpoint(directory, run) -> None:
@@ -124,7 +126,7 @@ def test_auto_heal_goes_on_from_the_last_checkpoint_and_ends_as_an_uninterrupted
     assert resumed_from in (6, 12, 18) and report.steps_done == 24 - resumed_from
     assert time.monotonic() - killed_at < 60
     assert all(same(uninterrupted, got) and step == 24 for got, step in lab.run(whole_parameters))
-    assert sorted(os.listdir(tmp_path)) == [f"step-{step:08d}" for step in (6, 12, 18, 24)]
+    assert sorted(os.listdir(tmp_path)) == [f"step-{step:08d}" for step in (12, 18, 24)]  # the newest 3 kept
 
 
 def test_without_auto_heal_a_kill_fails_the_run_and_heal_finishes_it(lab, tmp_path):
@@ -191,3 +193,149 @@ def test_only_the_newest_checkpoints_are_kept_when_asked(lab, tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["step-00000006", "step-00000008"]
     with pytest.raises(LabConfigError, match="keep_checkpoints must be a positive integer"):
         lab.train("ddp", "mlp", steps=2, checkpoint_every=1, checkpoint_dir=str(tmp_path), keep_checkpoints=0)
+
+
+# -- a save never loses anything ----------------------------------------------------------------------------------
+
+
+def test_a_save_never_deletes_or_moves_what_is_not_a_checkpoint(lab, tmp_path):
+    lab.train("ddp", "mlp", steps=1, log_every=100)
+    work = tmp_path / "work"
+    (work / "data").mkdir(parents=True)
+    (work / "notes.txt").write_text("mine")
+    (work / "data" / "train.csv").write_text("1,2")
+    with pytest.raises(LabConfigError, match=r"holds data/, notes.txt \(2 entries\).*another path"):
+        lab.save(str(work))
+    assert (work / "notes.txt").read_text() == "mine" and (work / "data" / "train.csv").read_text() == "1,2"
+    (tmp_path / "file.pt").write_text("mine")
+    with pytest.raises(LabConfigError, match="is a file, not a checkpoint"):
+        lab.save(str(tmp_path / "file.pt"))
+    assert sorted(os.listdir(tmp_path)) == ["file.pt", "work"]  # nothing moved aside, nothing hidden beside
+    path = lab.save(str(tmp_path / "ckpt"))
+    os.symlink(path, tmp_path / "link")
+    with pytest.raises(LabConfigError, match="symbolic link"):
+        lab.save(str(tmp_path / "link"))
+    with pytest.raises(LabConfigError, match="inside the checkpoint"):
+        lab.save(os.path.join(path, "inner"))
+    (tmp_path / "empty").mkdir()
+    lab.save(str(tmp_path / "empty"))  # an empty folder is fine to use
+    lab.save(str(tmp_path / "new" / "deeper"))  # and missing parents are made
+    assert sorted(os.listdir(tmp_path)) == ["ckpt", "empty", "file.pt", "link", "new", "work"]
+    assert os.path.islink(tmp_path / "link") and (tmp_path / "file.pt").read_text() == "mine"
+
+
+def _kill_rank_0_during_the_replacement(instant):
+    """On rank 0: SIGKILL this process at ``instant`` of the next save's replacement of the old checkpoint."""
+    import os as _os
+
+    import labkit.rank.checkpoint_swap as swap
+    from labkit.rank.entry import this_rank as rank_runtime
+
+    if rank_runtime().rank != 0:
+        return
+
+    def die():
+        _os.kill(_os.getpid(), 9)
+
+    real_exchange, real_move = swap.exchange, swap.move
+    if instant == "before the exchange":
+        swap.exchange = lambda first, second: die()
+    elif instant == "after the exchange":
+        swap.exchange = lambda first, second: (real_exchange(first, second), die())
+    elif instant == "removing the old one":
+        def remove_some(path):
+            _os.remove(_os.path.join(path, "labkit.json"))
+            _os.remove(_os.path.join(path, sorted(_os.listdir(path))[-1]))
+            die()
+
+        swap.remove_checkpoint = remove_some
+    elif instant == "between two renames":  # where the system cannot exchange two folders at once
+        swap.exchange = lambda first, second: False
+        moved = []
+
+        def move_then_die(source, destination):
+            if moved:
+                die()
+            moved.append(real_move(source, destination))
+
+        swap.move = move_then_die
+
+
+@pytest.mark.parametrize("instant, finds", [("before the exchange", "old"), ("after the exchange", "new"),
+                                            ("removing the old one", "new"), ("between two renames", "new")])
+def test_a_kill_at_any_instant_of_a_replacement_leaves_a_whole_checkpoint(lab, tmp_path, instant, finds):
+    lab.train("ddp", "mlp", steps=2, log_every=100)
+    path = lab.save(str(tmp_path / "ckpt"))
+    old = lab.run(whole_parameters)[0][0]
+    lab.train(steps=2, resume=True, log_every=100)
+    new = lab.run(whole_parameters)[0][0]
+    lab.run(_kill_rank_0_during_the_replacement, instant)
+    with pytest.raises(RankFailure, match="rank 0 died"):
+        lab.save(path)
+    lab.load(path)
+    expected, step = (old, 2) if finds == "old" else (new, 4)
+    assert all(same(expected, got) and at == step for got, at in lab.run(whole_parameters))
+    assert lab.save(path) == path  # the next save tidies what the cut one left
+    assert os.listdir(tmp_path) == ["ckpt"]
+
+
+# -- a damaged checkpoint says what is wrong, where, and what to do --------------------------------------------------
+
+
+def test_a_damaged_checkpoint_is_refused_naming_the_file_and_the_checkpoints_to_load_instead(lab, tmp_path):
+    run = tmp_path / "run"
+    lab.train("ddp", "mlp", steps=4, log_every=100, checkpoint_every=2, checkpoint_dir=str(run))
+    newest = run / "step-00000004"
+    meta = newest / "labkit.json"
+    good = meta.read_bytes()
+    instead = r"load another one, e\.g\. .*step-00000002"
+    meta.write_bytes(b"\xff\xfe" + os.urandom(62))
+    with pytest.raises(LabConfigError, match=rf"step-00000004/labkit.json is not readable.*{instead}"):
+        lab.load(str(newest))
+    meta.write_text("{}")
+    with pytest.raises(LabConfigError, match=rf"step-00000004/labkit.json lacks .*settings.*{instead}"):
+        lab.load(str(run))  # the newest in the folder: the same refusal
+    meta.write_bytes(good)
+    shard = sorted(newest.glob("*.distcp"))[0]
+    whole = shard.read_bytes()
+    shard.write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(LabConfigError, match=rf"{shard.name} is cut short.*{instead}"):
+        lab.load(str(newest))
+    shard.unlink()
+    with pytest.raises(LabConfigError, match=rf"{shard.name} is missing.*{instead}"):
+        lab.load(str(newest))
+    with pytest.raises(LabConfigError, match="is a file, not a checkpoint.*give its folder"):
+        lab.load(str(meta))
+    lab.load(str(run / "step-00000002"))  # the older one, whole
+    assert [step for _, step in lab.run(whole_parameters)] == [2] * 4
+
+
+# -- while a run trains, and what a run keeps -----------------------------------------------------------------------
+
+
+def test_a_save_during_a_background_run_says_the_lab_is_busy(tmp_path):
+    with Lab(ranks=2, backend="gloo", threads_per_rank=1, timeout=60) as two:  # a fresh lab: no state saved yet
+        run = two.train("ddp", "mlp", steps=100000, log_every=100000, background=True)
+        try:
+            with pytest.raises(LabBusy, match=r"run\.wait\(\).*run\.stop\(\)"):
+                two.save(str(tmp_path / "ckpt"))
+        finally:
+            run.stop()
+            run.wait(60)
+        two.save(str(tmp_path / "ckpt"))  # once it has stopped, its state
+    assert os.listdir(tmp_path) == ["ckpt"]
+
+
+def test_a_run_keeps_its_newest_three_checkpoints_by_default_saying_so_once_and_touches_nothing_else(
+        lab, tmp_path, capsys):
+    lab.train("ddp", "mlp", steps=1, log_every=100)
+    lab.save(str(tmp_path / "by-hand"))
+    (tmp_path / "notes.txt").write_text("mine")
+    (tmp_path / "step-00000001").mkdir()  # a folder of the user's that happens to look like one
+    (tmp_path / "step-00000001" / "notes.txt").write_text("mine")
+    capsys.readouterr()
+    lab.train("ddp", "mlp", steps=10, log_every=100, checkpoint_every=2, checkpoint_dir=str(tmp_path))
+    said = capsys.readouterr().out
+    assert sorted(os.listdir(tmp_path)) == ["by-hand", "notes.txt", "step-00000001", "step-00000006",
+                                            "step-00000008", "step-00000010"]
+    assert said.count("keeping the newest 3 checkpoints") == 1 and "keep_checkpoints" in said

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from labkit.magics import _train_parser
+from labkit.magic_parsers import train_parser as _train_parser
 from labkit.rank import verify
 from labkit.spec.train_config import resolve
 from labkit.strategies import diloco

@@ -18,11 +18,13 @@ def test_cause_first_then_released_ranks_grouped():
         3: {"ok": True, "value": 3},
     }
     failure = RankFailure(reports, recovery="rebuilt")
-    assert failure.summary() == "rank 1 raised ValueError: bad; ranks 0, 2 failed in a collective waiting on a peer"
+    assert failure.summary() == ("rank 1 raised ValueError: bad; ranks 0, 2 failed in a collective as a consequence "
+                                 "of rank 1")
     details = failure.details()
     assert "--- rank 1 ---\nTraceback...\nValueError: bad" in details
     # Peer ports and source paths differ per rank; the grouped message drops them.
-    assert "--- ranks 0, 2 (released from a collective) ---\nRuntimeError: Connection closed by peer [peer]" in details
+    assert ("--- ranks 0, 2 (released from a collective: a consequence of rank 1, not a cause) ---\n"
+            "RuntimeError: Connection closed by peer [peer]") in details
     assert details.endswith("rebuilt")
     assert failure.failed_ranks == [0, 1, 2]
     assert str(failure) == failure.summary()
@@ -92,3 +94,30 @@ def test_interrupt_is_a_keyboard_interrupt():
     assert isinstance(failure, KeyboardInterrupt) and isinstance(failure, RankFailure)
     assert failure.summary() == "rank 0 interrupted"
     assert failure._render_traceback_()[0] == "RankInterrupted: rank 0 interrupted"
+
+
+KILLED = ("the rank's process exited (SIGKILL (exit code -9): killed: by someone (kill -9, %lab kill) or by the "
+          "kernel's out-of-memory killer)")
+
+
+def test_ranks_that_died_the_same_way_are_explained_once_and_their_peers_are_consequences():
+    reports = {
+        0: _error("collective", "RuntimeError", CLOSED.format(port=1111)),
+        1: _error("died", "ProcessDied", KILLED),
+        2: _error("died", "ProcessDied", KILLED),
+        # Raised where the rank's code did not see a collective: still only the echo of a peer's death.
+        3: _error("raised", "RuntimeError", "Connection closed by peer [127.0.0.1]:4444"),
+    }
+    failure = RankFailure(reports)
+    assert failure.summary() == "ranks 1, 2 died (process exited); ranks 0, 3 failed in a collective as a consequence of ranks 1, 2"
+    details = failure.details()
+    assert details.count("out-of-memory killer") == 1
+    assert f"--- ranks 1, 2 (died) ---\n{KILLED}" in details
+    assert ("--- ranks 0, 3 (released from a collective: a consequence of ranks 1, 2, not a cause) ---\n"
+            "RuntimeError: Connection closed by peer [peer]") in details
+    assert failure.causes == [1, 2] and list(failure.released) == [0, 3] and not failure.raised
+
+
+def test_a_connection_error_alone_is_still_told_as_raised():
+    failure = RankFailure({0: _error("raised", "RuntimeError", "Connection reset by peer"), 1: {"ok": True}})
+    assert failure.summary() == "rank 0 raised RuntimeError: Connection reset by peer"

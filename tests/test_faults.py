@@ -178,3 +178,73 @@ def test_with_checked_collectives_a_mismatch_names_each_ranks_call():
         assert "rank 0 calls allreduce of shape [10] (float)" in text
         assert "rank 1 calls allreduce of shape [20] (float)" in text
         assert lab.run_cell("dist.all_reduce(torch.ones(3)); 1") == ["1", "1"]  # and it works again
+
+
+def start_leavers(tag: int) -> list[int]:
+    """On a rank: start two sleepers that leave the rank's process group (a session of their own,
+    and a shell's orphan); ``tag`` makes their command lines this test's own."""
+    import subprocess
+
+    from labkit.rank.entry import this_rank
+
+    mark = f"{tag}{this_rank().rank}"
+    subprocess.Popen(["sleep", f"71{mark}"], start_new_session=True)
+    subprocess.run(f"setsid sleep 72{mark} >/dev/null 2>&1 &", shell=True, check=True)
+    return [f"71{mark}", f"72{mark}"]
+
+
+def _leavers(marks) -> list[psutil.Process]:
+    found = []
+    for process in psutil.process_iter(["name", "cmdline"]):
+        if process.info["name"] == "sleep" and (process.info["cmdline"] or [None])[-1] in marks:
+            found.append(process)
+    return found
+
+
+def _wait_for(condition, seconds: float = 10.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.mark.parametrize("how", ["SIGKILL", "lab.kill", "SIGSTOP"])
+def test_what_a_rank_started_outside_its_group_goes_when_the_rank_is_replaced(pair, how):
+    tag = {"SIGKILL": 1, "lab.kill": 2, "SIGSTOP": 3}[how]
+    marks = dict(enumerate(pair.run(start_leavers, tag)))
+    assert _wait_for(lambda: len(_leavers(marks[0] + marks[1])) == 4)
+    kept, doomed = _leavers(marks[0]), _leavers(marks[1])
+    victim = pair.cluster.pid_of[1]
+    if how == "lab.kill":
+        pair.kill(1)
+    else:
+        os.kill(victim, getattr(signal, how))
+        if how == "SIGSTOP":
+            assert _wait_for(lambda: 1 in pair.cluster.broken_ranks())
+    assert pair.run(lambda: this_rank().rank) == [0, 1]  # rank 1 replaced
+    assert wait_gone([process.pid for process in doomed], 10) == set(), "rank 1's processes outlived it"
+    assert all(process.is_running() for process in kept), "rank 0's processes went with rank 1"
+
+
+def test_a_rank_killed_the_instant_before_a_call_is_replaced_before_the_call(pair):
+    for attempt in range(10):
+        rank = attempt % 2
+        if attempt % 4 < 2:
+            os.kill(pair.cluster.pid_of[rank], signal.SIGKILL)
+        else:
+            pair.kill(rank)
+        assert pair.run(lambda: this_rank().rank) == [0, 1], f"attempt {attempt}"
+
+
+def test_when_every_rank_was_replaced_no_rank_is_said_to_keep_its_variables(pair, capsys):
+    pair.run_cell("kept = rank")
+    victims = list(pair.cluster.pid_of.values())
+    for pid in victims:
+        os.kill(pid, signal.SIGKILL)
+    assert wait_gone(victims, 10) == set()
+    assert pair.run(lambda: this_rank().namespace.get("kept")) == [None, None]
+    said = capsys.readouterr().out
+    assert "replaced ranks 0, 1 with fresh processes" in said
+    assert "kept their variables" not in said and "every rank is a fresh process" in said

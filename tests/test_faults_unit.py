@@ -61,3 +61,75 @@ def test_only_directories_of_dead_owners_are_removed(tmp_path):
     removed = remove_stale_workdirs(str(tmp_path))
     assert sorted(removed) == sorted([str(dead), str(reused)])
     assert alive.exists() and unknown.exists() and other.exists() and not dead.exists()
+
+
+# -- absurd values: refused before anything starts, with the range that is allowed ------------------
+
+@pytest.mark.parametrize("settings, message", [
+    (dict(ranks=2, timeout=1e15), r"timeout must be a positive, finite number of seconds, at most 604800 \(7 days\)"),
+    (dict(ranks=2, start_timeout=1e15), r"start_timeout .* at most 604800"),
+    (dict(ranks=2, interrupt_grace=10**12), r"interrupt_grace .* at most 604800"),
+    (dict(ranks=2, start_timeout=float("nan")), "start_timeout must be a positive"),
+    (dict(ranks=2, interrupt_grace=-1), "interrupt_grace must be a positive"),
+    (dict(ranks=2, timeout=True), "timeout must be a positive"),
+    (dict(ranks=2, threads_per_rank=10**6), r"threads_per_rank must be a whole number from 1 to \d+ \(this machine's cores"),
+    (dict(ranks=2, threads_per_rank=10**6, oversubscribe=True), "threads_per_rank must be a whole number from 1 to 1024"),
+    (dict(ranks=2, threads_per_rank=True), "threads_per_rank must be a whole number"),
+    (dict(ranks=10**9, oversubscribe=True), "ranks must be a whole number >= 0 and at most 1024 on this machine"),
+    (dict(ranks=-1), "ranks must be a whole number >= 0 and at most"),
+    (dict(ranks=float("inf")), "ranks must be a whole number >= 0 and at most"),
+    (dict(ranks=2, ranks_per_host=1), r"would have 2 ranks, ranks_per_host is 1: this launcher starts every rank on "
+                                      r"this machine; ask for at most 1"),
+])
+def test_absurd_lab_settings_are_refused_with_the_range_allowed(settings, message):
+    with pytest.raises(ValueError, match=message):
+        Lab(**settings)
+
+
+def test_absurd_call_settings_are_refused_before_anything_runs():
+    lab = Lab(ranks=2)  # not started: a refusal must come before the lab is even looked at
+    for absurd in (1e15, float("nan"), float("inf"), -1, 0, True):
+        with pytest.raises(ValueError, match="at most 604800"):
+            lab.run(print, timeout=absurd)
+        with pytest.raises(ValueError, match="at most 604800"):
+            lab.run_cell("1", timeout=absurd)
+        with pytest.raises(ValueError, match="at most 604800"):
+            lab.timeout = absurd
+    assert lab.timeout == 300
+    for ranks in ([2], [True], [0.5], ["1"], [], 7, "0"):
+        with pytest.raises(ValueError, match=r"ranks is a rank number or a list of them, each from 0 to 1"):
+            lab.run_cell("1", ranks=ranks)
+    # Every rank takes seed + rank: the last rank's seed must still be in range.
+    with pytest.raises(ValueError, match=r"a seed is an integer from 0 to 2\*\*63 - 2 \(rank 1 takes seed \+ 1\)"):
+        lab.seed(2**63 - 1)
+    with pytest.raises(ValueError, match="same is True or False"):
+        lab.seed(1, same="yes")
+
+
+def test_a_refused_batch_launcher_leaves_nothing_in_the_current_directory(tmp_path, monkeypatch):
+    import shutil
+
+    if shutil.which("sbatch"):
+        pytest.skip("sbatch is installed here: the slurm launcher is not refused")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match="'sbatch', which is not on this machine's PATH"):
+        Lab(ranks=2, launcher="slurm")
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_lab_of_joiners_says_how_long_it_waits_honestly(capsys, monkeypatch):
+    import time
+
+    from labkit.cluster import join
+    from labkit.cluster.placement import RankPlan
+    from labkit.cluster.rank_cluster import RankCluster
+
+    cluster = RankCluster(RankPlan(backend="gloo", ranks=0, threads_per_rank=1, controller_address="10.9.8.7"),
+                          start_timeout=6)
+    monkeypatch.setattr(join, "join_command", lambda cluster, python="python": "python -m labkit join TOKEN")
+    monkeypatch.setattr(cluster, "joiners", lambda: [])
+    # Starting the controller took most of start_timeout: what is left is what the wait gets.
+    assert cluster._first_joiners(time.monotonic() + 0.05) == []
+    said = capsys.readouterr().out
+    assert "s left of start_timeout (6 s from the start of the lab)" in said, said
+    assert "python -m labkit join TOKEN" in said

@@ -182,3 +182,18 @@ def test_timeout_must_be_positive_and_finite(lab):
     with pytest.raises(ValueError, match="positive, finite number of seconds"):
         type(lab)(ranks=2, timeout=float("inf"))
     assert lab.run(whoami, 0) == [0, 1, 2, 3]  # nothing was left half-done
+
+
+def test_ranks_killed_in_a_collective_are_the_cause_and_explained_once(lab):
+    with pytest.raises(RankFailure) as failure:
+        lab.run_cell("import os, signal\nif rank in (1, 2):\n    os.kill(os.getpid(), signal.SIGKILL)\n"
+                     "dist.barrier()", timeout=30)
+    error = failure.value
+    assert str(error).startswith("ranks 1, 2 died (process exited); ")
+    assert "as a consequence of ranks 1, 2" in str(error)
+    details = error.details()
+    assert details.count("out-of-memory killer") == 1, details  # one explanation for the same death
+    assert "--- ranks 1, 2 (died) ---" in details
+    assert "(released from a collective: a consequence of ranks 1, 2, not a cause)" in details
+    assert "raised" not in str(error)
+    assert lab.run(whoami, 0) == [0, 1, 2, 3]

@@ -128,6 +128,31 @@ def test_an_engine_joins_as_the_next_rank_and_leaves_when_the_lab_stops():
             joiner.kill()
 
 
+def test_a_joined_rank_lost_while_idle_is_dropped_by_the_next_call_and_its_folder_goes(tmp_path):
+    import os
+
+    lab = Lab(ranks=2, timeout=30)
+    joiner = None
+    try:
+        lab.start()
+        # The joiner makes its temporary folder where TMPDIR says: here, where the test can look.
+        joiner = subprocess.Popen(shlex.split(lab.join_command(python=sys.executable)), stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.DEVNULL, env=dict(os.environ, TMPDIR=str(tmp_path)))
+        assert wait_for(lambda: lab.session.heal() is not None, 60) and lab.world_size == 3
+        assert len(list(tmp_path.glob("labkit-join-*"))) == 1
+        os.kill(lab.cluster.records[2].pid, signal.SIGKILL)  # its engine ends, as on a machine that failed
+        assert wait_for(lambda: 2 in lab.cluster.broken_ranks(), 20)
+        # The next call heals first (the lab shrinks to 2 ranks), then targets every rank it has now.
+        assert lab.run(who) == [(0, 2), (1, 2)]
+        assert lab.run_cell("rank") == ["0", "1"]
+        assert joiner.wait(20) is not None  # its join command ended with its engine ...
+        assert list(tmp_path.glob("labkit-join-*")) == []  # ... and removed its folder
+    finally:
+        lab.stop()
+        if joiner is not None and joiner.poll() is None:
+            joiner.kill()
+
+
 def test_a_joined_engine_is_asked_to_leave_when_the_lab_stops():
     lab = Lab(ranks=1, timeout=30)
     joiner = None
@@ -201,7 +226,8 @@ def test_a_lab_of_no_ranks_of_its_own_prints_its_join_command_and_waits_for_a_ma
                                           stderr=subprocess.DEVNULL)
             if line.startswith("ranks:"):
                 break
-        assert any("waiting up to" in line and "for machines to join" in line for line in lines), lines
+        assert any("waiting for machines to join" in line and "of start_timeout (90 s from the start" in line
+                   for line in lines), lines
         assert lines[-1].strip() == f"ranks: [(0, 1, '{address}')]", lines
         assert lab.wait(30) == 0
         assert joiner.wait(30) is not None

@@ -5,7 +5,7 @@ import time
 import pytest
 from IPython.core.error import UsageError
 
-from labkit.runs.link import describe, link_command, parse_words, set_link
+from labkit.runs.link import describe, link_command, parse_words, set_link, waiting_notice
 from labkit.runs.status import LabStatus
 from labkit.spec.errors import LabConfigError
 from labkit.spec.link import LinkSpec, rounds_and_wire_bytes
@@ -103,14 +103,40 @@ class _Session:
         self.sent.append((list(ranks), work_entry.__name__, args))
 
 
-def test_set_link_checks_first_then_gives_every_rank_the_setting():
+def test_set_link_checks_first_then_gives_every_rank_the_setting(capsys):
     session = _Session()
     spec = set_link(session, "100Mbit", "20ms")
     assert session.link == spec == LinkSpec(1e8, 0.02)
     assert session.sent == ["ready", ([0, 1, 2, 3], "set_link", (spec,))]
     assert set_link(session) is spec  # nothing given: the link in place, nothing sent
     assert len(session.sent) == 2
+    assert capsys.readouterr().out == ""  # a link set is shown by what it returns
     assert set_link(session, "off") is None and session.sent[-1][2] == (None,)
+    assert capsys.readouterr().out.splitlines() == [
+        "simulated link removed: collectives run at this machine's speed again"]
+    assert set_link(session, "off") is None
+    assert capsys.readouterr().out.splitlines() == ["no simulated link was set: nothing to remove"]
+
+
+def test_a_wait_over_the_link_is_named_once_it_lasts():
+    import threading
+
+    said, shown = [], threading.Event()
+
+    def say(text):
+        said.append(text)
+        shown.set()
+
+    link = LinkSpec(1e8, 0.02)
+    with waiting_notice(link, "check their new process group", after=0.0, say=say):
+        assert shown.wait(30)  # the block is still running when the notice comes
+    assert said == ["waiting for the ranks to check their new process group over the simulated link "
+                    "(100 Mbit/s, 20 ms latency) ..."]
+    with waiting_notice(link, "check their new process group", after=3600, say=say):
+        pass  # done before the notice was due: nothing said
+    with waiting_notice(None, "check their new process group", after=0.0, say=say):
+        pass  # no link: nothing to say
+    assert len(said) == 1
 
 
 @pytest.mark.parametrize("setting", [("fast",), ("-5Mbit", "20ms"), ("0Mbit",), ("100Mbit", "20"), (..., "20")])
@@ -168,7 +194,12 @@ def test_link_command_says_what_the_link_does(capsys):
     link_command(lab, [])
     assert "100 Mbit/s" in capsys.readouterr().out
     link_command(lab, ["off"])
-    assert "no simulated link" in capsys.readouterr().out
+    assert capsys.readouterr().out.splitlines() == [
+        "simulated link removed: collectives run at this machine's speed again"]
+    link_command(lab, ["off"])
+    assert capsys.readouterr().out.splitlines() == ["no simulated link was set: nothing to remove"]
+    link_command(lab, [])
+    assert capsys.readouterr().out.splitlines() == ["no simulated link: collectives run at this machine's speed"]
     with pytest.raises(UsageError, match="%lab link: write the bandwidth with its unit"):
         link_command(lab, ["fast"])
     assert describe(None, 4).startswith("no simulated link")

@@ -42,9 +42,83 @@ BAD_STARTS = [  # (%lab line, the error it raises, what the message says)
     ("start 2 --controller-address 203.0.113.7", LabConfigError, "203.0.113.7 is not an address of this machine"),
     ("start 2 --interface eth99", LabConfigError, "no IPv4 interface 'eth99'"),
     ("start 2 --backend nccl", DeviceError, "nccl needs GPUs"),
-    ("start 2 --backend mpi", UsageError, "invalid choice"),
-    ("launch 2", UsageError, "unknown %lab command"),
+    ("start 2 --backend mpi", UsageError, "^--backend: unknown backend 'mpi'; choose gloo or nccl "
+                                          "\\(see %lab start --help\\)$"),
+    ("launch 2", UsageError, "^unknown command 'launch'; the commands: start, mesh, "),
 ]
+
+
+def printed_lines(capsys) -> list[str]:
+    return capsys.readouterr().out.splitlines()
+
+
+def test_help_of_a_command_is_its_options_one_line_each_and_nothing_else(shell, capsys):
+    assert shell.run_line_magic("lab", "kill --help") is None
+    assert printed_lines(capsys) == [
+        "%lab kill RANK: SIGKILL a rank's process, also during a run (lab.kill); %lab heal replaces it",
+        "  RANK  the rank to kill",
+    ]
+    shell.run_cell_magic("lab", "--help", "print(rank)")  # help only: the cell does not run
+    assert printed_lines(capsys) == [
+        "%%lab [options]: run the cell on every rank (or some); output labelled [rank r], the last value shown",
+        "  --ranks 0,2  run on these ranks only",
+        "  --timeout S  limit for this cell, seconds",
+    ]
+    for line in ("train --help", "train --model gpt -h", "start -h", "start 2 --backend mpi --help", "bench --help",
+                 "link --help", "run --ranks 0 --help", "tasks -h", "ensemble --help", "status --help",
+                 "mesh -h", "slow --help", "seed -h", "checkpoint --help", "timeout -h", "join-command --help"):
+        command = line.split()[0]
+        shell.run_line_magic("lab", line)
+        lines = printed_lines(capsys)
+        assert lines[0].startswith(f"%lab {command}"), (line, lines)
+        # one line an option: no line wrapped onto an indented next one
+        assert all(text.startswith("  ") and not text.startswith("   ") for text in lines[1:]), (line, lines)
+        assert not any("usage:" in text or "error" in text for text in lines), (line, lines)
+    shell.run_line_magic("lab", "train --help")
+    options = [text.split()[0] for text in printed_lines(capsys)[1:]]
+    for option in ("--strategy", "--model", "--steps", "--dashboard", "--bucket-cap-mb", "--no-reshard",
+                   "--schedule", "--inner-steps"):
+        assert options.count(option) == 1, (option, options)
+
+
+def test_help_of_lab_lists_every_command_on_its_own_line(shell, capsys):
+    shell.run_line_magic("lab", "--help")
+    lines = printed_lines(capsys)
+    assert lines[0] == "%lab COMMAND [options]: live torch.distributed ranks; %lab COMMAND --help for its options"
+    commands = [text.split()[0] for text in lines[1:-1]]
+    assert commands == ["start", "mesh", "train", "slow", "link", "seed", "run", "bench", "checkpoint", "kill",
+                        "heal", "tasks", "ensemble", "join-command", "status", "timeout", "restart", "stop"]
+    assert lines[-1].startswith("%%lab [options]: run the cell on every rank")
+    shell.run_line_magic("lab", "-h")
+    assert printed_lines(capsys) == lines
+    # A script's own --help is the script's, not %lab run's (no lab: refused for that, not shown help).
+    with pytest.raises(UsageError, match="no lab is running"):
+        shell.run_line_magic("lab", "run train.py --help")
+
+
+def test_a_mistyped_command_or_option_says_what_was_meant_in_one_line(shell):
+    with pytest.raises(UsageError) as refused:
+        shell.run_line_magic("lab", "trian --steps 5")
+    assert str(refused.value) == (
+        "unknown command 'trian': did you mean 'train'? The commands: start, mesh, train, slow, link, seed, run, "
+        "bench, checkpoint, kill, heal, tasks, ensemble, join-command, status, timeout, restart, stop "
+        "(see %lab --help)")
+    # The words are checked before the lab is looked for: no lab is running here.
+    for line, said in [
+        ("train --model resnet", "--model: unknown model 'resnet'; choose mlp or gpt (see %lab train --help)"),
+        ("train --stpes 5", "unknown option --stpes: did you mean --steps? (see %lab train --help)"),
+        ("train --schedule 1f2b", "--schedule: unknown schedule '1f2b': did you mean '1f1b'? choose gpipe or 1f1b "
+                                  "(see %lab train --help)"),
+        ("start 2 --thread 1", "unknown option --thread: did you mean --threads? (see %lab start --help)"),
+        ("bench allreduse", "unknown operation 'allreduse': did you mean 'allreduce'? choose allreduce, "
+                            "all_reduce, allgather, all_gather, reduce_scatter, reducescatter or broadcast "
+                            "(see %lab bench --help)"),
+        ("ensemble --vary colour", "--vary: unknown vary 'colour'; choose seed or lr (see %lab ensemble --help)"),
+    ]:
+        with pytest.raises(UsageError) as refused:
+            shell.run_line_magic("lab", line)
+        assert str(refused.value) == said
+
 
 
 @pytest.mark.parametrize("line, error, message", BAD_STARTS)
@@ -93,6 +167,9 @@ def test_timeout_and_status_commands(started, capsys):
     assert status.healthy and "cell timeout 45 s" in str(status)
     with pytest.raises(UsageError, match="--ranks"):
         started.run_cell_magic("lab", "--ranks one", "rank")
+    with pytest.raises(UsageError) as refused:
+        started.run_cell_magic("lab", "--rank 0", "rank")
+    assert str(refused.value) == "unknown option --rank: did you mean --ranks? (see %%lab --help)"
 
 
 def test_train_magic_runs_a_strategy_and_verifies(started, capsys):
@@ -123,8 +200,8 @@ def test_slow_bench_and_dashboard_magics(started, capsys):
     assert report.steps_done == 3
     # The last draw shows the finished run: every step's loss in the picture (the header's final
     # status is checked in test_training_run_unit.py).
-    assert list(run.dashboard._loss_line.get_xdata()) == [0, 1, 2]
-    assert list(run.dashboard._loss_line.get_ydata()) == pytest.approx(report.losses)
+    assert list(run.dashboard.picture.loss_line.get_xdata()) == [0, 1, 2]
+    assert list(run.dashboard.picture.loss_line.get_ydata()) == pytest.approx(report.losses)
     assert run.dashboard.image.value[:3] == b"\xff\xd8\xff"  # a JPEG frame
 
 

@@ -200,15 +200,20 @@ def test_the_magic_sets_shows_and_clears_the_link(lab, capsys):
             shell.run_line_magic("lab", "link fast")
         assert lab.link() == LinkSpec(1e8, 0.02)
         shell.run_line_magic("lab", "link off")
-        assert "no simulated link" in capsys.readouterr().out and lab.link() is None
+        assert capsys.readouterr().out.splitlines() == [
+            "simulated link removed: collectives run at this machine's speed again"]
+        assert lab.link() is None
     finally:
         magics.lab = held  # the shell is shared: unloading it must not stop this module's lab
         if loaded_here:
             shell.run_line_magic("unload_ext", "labkit")
 
 
-def test_the_link_outlives_a_restart(lab):
+def test_the_link_outlives_a_restart_which_says_what_it_waits_on(lab, capsys):
     assert isinstance(lab, Lab)
-    link = lab.link(latency="1ms")
+    link = lab.link(latency="500ms")  # the new group's check is an all-reduce of 6 rounds: 3 s over this link
+    capsys.readouterr()
     lab.restart()
+    assert ("waiting for the ranks to check their new process group over the simulated link (unlimited bandwidth, "
+            "500 ms latency) ...") in capsys.readouterr().out.splitlines()
     assert lab.link() == link and lab.run(link_on_rank) == [(link, True)] * 4

@@ -164,6 +164,29 @@ def test_ctrl_c_withdraws_waiting_tasks_and_keeps_finished_ones(lab, tmp_path):
     assert lab.run(lambda: 4) == [4] * 4
 
 
+def kills_its_rank_on_zero(item):
+    import os
+    import signal
+
+    if item == 0:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return item
+
+
+def test_a_poison_task_is_told_as_lost_not_as_raised(lab, capsys):
+    with pytest.raises(TaskFailed) as caught:
+        lab.tasks(kills_its_rank_on_zero, range(4), retries=1)
+    results = caught.value.results
+    assert results.values[1:] == [1, 2, 3] and results.records[0].attempts == 2
+    said = capsys.readouterr().out
+    assert "raised" not in said  # no task raised: one ended its rank, twice
+    assert "1 task(s) lost their rank on every try and were not requeued again" in said
+    message = str(caught.value)
+    assert "rank None" not in message and "task 0 on rank " in message
+    assert results.failures("lost") == [results.records[0]] and results.failures("raised") == []
+    assert lab.run(lambda: 6) == [6] * 4
+
+
 def test_bad_input_is_refused_before_anything_is_sent(lab):
     with pytest.raises(LabConfigError, match="cannot be called"):
         lab.tasks(42, [1, 2])

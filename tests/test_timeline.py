@@ -54,3 +54,21 @@ def test_bus_bandwidth_follows_nccl_tests():
     gather = CollectiveBench("all_gather", 4, [1024], [[0.001]] * 4, memcpy=5e9)
     assert round(gather.busbw[0] / gather.algbw[0], 6) == 0.75
     assert "memory copy on this machine: 5.0 GB/s" in str(bench)
+
+
+def test_a_timeline_counts_the_steps_it_shows():
+    assert Timeline({0: entries(0)}, steps=1).figure().axes[0].get_title().startswith("last step per rank")
+    assert Timeline({0: entries(0)}, steps=2).figure().axes[0].get_title().startswith("last 2 steps per rank")
+
+
+def test_pipeline_timelines_name_their_schedule():
+    from labkit.spec.train_config import resolve
+    from labkit.views.train_report import timeline_title
+
+    shown = {0: entries(0), 1: entries(1)}
+    gpipe = resolve(2, strategy="pp", model="gpt", micro_batches=8, schedule="gpipe")
+    one_f_one_b = resolve(2, strategy="pp", model="gpt", micro_batches=8, schedule="1f1b")
+    assert timeline_title(gpipe, shown, 1).endswith("GPipe schedule, 8 microbatches: last step")
+    assert timeline_title(one_f_one_b, shown, 1).endswith("1F1B schedule, 8 microbatches: last step")
+    assert timeline_title(one_f_one_b, shown, None).endswith(": last 3 steps")
+    assert "schedule" not in timeline_title(resolve(2, strategy="ddp"), shown, 2)

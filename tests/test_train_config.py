@@ -1,5 +1,7 @@
 """Training requests are checked before any rank works: pure, no processes."""
 
+import re
+
 import pytest
 
 from labkit.spec.train_config import parse_strategy, resolve
@@ -62,3 +64,35 @@ def test_defaults_that_run():
     assert even_splits(8, 2) == [(2, 4), (4, 2)] and even_splits(2, 2) == []
     with pytest.raises(ValueError, match="cannot be split over 2 axes"):
         resolve(2, strategy="fsdp+tp")
+
+
+def test_the_defaults_run_on_any_lab_size_or_name_the_nearest_that_does():
+    from labkit.strategies.catalog import compositions
+
+    for strategy in sorted(set(compositions(8)) | set(compositions(1))):
+        for model in ("mlp", "gpt"):
+            for ranks in range(1, 9):
+                try:
+                    config = resolve(ranks, strategy=strategy, model=model)
+                except ValueError as error:
+                    sizes = re.search(r"run on a lab of (\d+)(?: or (\d+))? ranks, the nearest size", str(error))
+                    assert sizes, f"{strategy} {model} on {ranks} ranks: {error}"
+                    for size in filter(None, sizes.groups()):
+                        assert abs(int(size) - ranks) >= 1
+                        resolve(int(size), strategy=strategy, model=model)  # the size named works
+                    continue
+                assert config.global_batch % (config.data_parts * config.micro_batches) == 0
+                assert abs(config.global_batch - 32) < config.data_parts * config.micro_batches
+
+
+def test_the_default_batch_is_rounded_and_says_so_a_given_one_is_refused_with_the_nearest():
+    assert resolve(3, strategy="ddp").global_batch == 33
+    assert resolve(3, strategy="ddp").batch_note == "global batch 33 (32 rounded up to a multiple of 3 data-parallel ranks)"
+    assert resolve(4, strategy="ddp").batch_note == ""
+    assert resolve(6, strategy="ddp+pp").batch_note.endswith("multiple of 3 data-parallel ranks x 2 micro-batches)")
+    with pytest.raises(ValueError, match="use a multiple of 3, such as 30 or 33$"):
+        resolve(3, strategy="ddp", global_batch=32)
+    with pytest.raises(ValueError, match="pp=5 stages need at least 5 layers.*run on a lab of 4 ranks"):
+        resolve(5, strategy="pp")
+    with pytest.raises(ValueError, match="tp=3 must divide.*run on a lab of 2 or 4 ranks"):
+        resolve(3, strategy="tp")

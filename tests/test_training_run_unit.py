@@ -45,6 +45,7 @@ class FakeSession:
         self.released = 0
 
     def begin(self, ranks, function, args, timeout, output, on_tick, on_interrupt):
+        self.output = output
         return FakeWork(self.reports, self.failed)
 
     def release(self, run):
@@ -71,8 +72,8 @@ def test_a_finished_run_leaves_its_whole_history_in_the_last_picture():
     report = run.wait(1)
     assert report.losses == pytest.approx([1.0, 0.8, 0.6])
     assert run.status() == "done: 3 steps, loss 0.6000"
-    assert list(run.dashboard._loss_line.get_xdata()) == [0, 1, 2]
-    assert list(run.dashboard._loss_line.get_ydata()) == pytest.approx([1.0, 0.8, 0.6])
+    assert list(run.dashboard.picture.loss_line.get_xdata()) == [0, 1, 2]
+    assert list(run.dashboard.picture.loss_line.get_ydata()) == pytest.approx([1.0, 0.8, 0.6])
     assert run.dashboard.stop_button.description == "Done"
 
 
@@ -107,5 +108,37 @@ def test_a_rank_that_died_is_marked_on_the_dashboard_at_its_step():
     with pytest.raises(RankFailure, match="rank 1 died"):
         run.wait(1)
     assert run.dashboard.failures == [((1,), 2, "died")]
-    marks = [text.get_text() for text in run.dashboard._throughput.texts]
+    marks = [text.get_text() for text in run.dashboard.picture.throughput.texts]
     assert "rank 1 died" in marks
+
+
+def test_a_foreground_dashboard_run_keeps_progress_lines_out_of_the_cell():
+    run = finished_run({rank: {"rank": rank, "ok": True, "value": rank_result(rank)} for rank in range(2)})
+    run.wait(1)
+    assert run.session.output.silent, "progress goes to the dashboard's status line, not under it"
+    run.session.output.texts.update(0, "step    1/3  loss 1.0000\nstep    3/3  loss 0.6000\n", "")
+    run._tick(type("Work", (), {"results": {}, "output": run.session.output})())
+    assert "[rank 0] step    3/3  loss 0.6000" in run.dashboard.status_line.value
+
+
+def test_a_runs_display_in_a_notebook_is_brought_up_to_date_when_it_ends(monkeypatch):
+    import IPython.display
+
+    handles = []
+
+    class Handle:
+        def __init__(self, bundle):
+            self.text = bundle["text/plain"]
+
+        def update(self, bundle, raw=False):
+            self.text = bundle["text/plain"]
+
+    monkeypatch.setattr(IPython.display, "display", lambda bundle, raw, display_id: handles.append(Handle(bundle))
+                        or handles[-1])
+    reports = {rank: {"rank": rank, "ok": True, "value": rank_result(rank)} for rank in range(2)}
+    config = resolve(2, strategy="ddp", model="mlp", steps=3, global_batch=8)
+    run = TrainingRun(FakeSession(reports), config, timeout=30, dashboard=False, background=False)
+    run._ipython_display_()  # what the cell shows before the run ends
+    assert handles[0].text.endswith(": starting>")
+    run.start()
+    assert handles[0].text.endswith(": done: 3 steps, loss 0.6000>")

@@ -70,10 +70,37 @@ def _local_condition(cluster, pid: int) -> str | None:
         status = psutil.Process(pid).status()
     except psutil.NoSuchProcess:
         status = psutil.STATUS_ZOMBIE
-    if status == psutil.STATUS_ZOMBIE:
+    doomed = doomed_by(pid) if status not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD) else None
+    if status == psutil.STATUS_ZOMBIE or doomed == "SIGKILL":
         return f"exited ({describe_exit(exit_code(cluster, pid))})"
-    if status in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP):
+    if status in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP) or doomed == "SIGSTOP":
         return "was frozen (stopped by a signal such as SIGSTOP)"
+    return None
+
+
+_PF_EXITING = 0x4  # the kernel's flag of a process on its way out (include/linux/sched.h)
+_PENDING = {"SIGKILL": 1 << (9 - 1), "SIGSTOP": 1 << (19 - 1)}
+
+
+def doomed_by(pid: int) -> str | None:
+    """'SIGKILL' when ``pid`` was sent SIGKILL (or is exiting) but has not ended yet, 'SIGSTOP' when it
+    was sent SIGSTOP but has not stopped yet; None otherwise.
+
+    A signal is delivered a moment after ``kill()`` returns: a call made right after killing a rank
+    would find it still running and send it work it can never do. The kernel shows the pending
+    signal (and an exit under way) at once, so such a rank is replaced before the call instead."""
+    try:
+        with open(f"/proc/{pid}/status") as handle:
+            fields = dict(line.split(":", 1) for line in handle if ":" in line)
+        with open(f"/proc/{pid}/stat") as handle:
+            flags = int(handle.read().rsplit(")", 1)[1].split()[6])
+    except (OSError, ValueError, IndexError):
+        return None  # gone already (the caller sees that), or no /proc here
+    pending = int(fields.get("SigPnd", "0").strip(), 16) | int(fields.get("ShdPnd", "0").strip(), 16)
+    if flags & _PF_EXITING or pending & _PENDING["SIGKILL"]:
+        return "SIGKILL"
+    if pending & _PENDING["SIGSTOP"]:
+        return "SIGSTOP"
     return None
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+import tempfile
 from dataclasses import dataclass, field
 
 from labkit.spec.errors import LabConfigError
@@ -86,11 +87,15 @@ def choose_launcher(name: str = HOSTED, **options) -> LauncherChoice:
         if os.access(beside, os.X_OK):
             options["mpi_cmd"] = [beside]
     choice = LauncherChoice(name.lower(), engine_class, options)
-    try:  # the launcher checks its own options' types now, not when the lab starts
-        launcher = engine_class(config=choice.config())
-    except TraitError as error:
-        raise LabConfigError(f"the {name} launcher refused its options: {error}") from None
-    _check_commands(name, launcher)
+    # The launcher checks its own options' types now, not when the lab starts. A batch launcher makes
+    # its log folder under its profile directory as it is built: a scratch one here, so that checking
+    # (and refusing) leaves nothing behind in the current directory.
+    with tempfile.TemporaryDirectory(prefix="labkit-launcher-check-") as scratch:
+        try:
+            launcher = engine_class(config=choice.config(), profile_dir=scratch)
+        except TraitError as error:
+            raise LabConfigError(f"the {name} launcher refused its options: {error}") from None
+        _check_commands(name, launcher)
     return choice
 
 

@@ -23,6 +23,11 @@ BACKENDS = ("gloo", "nccl")
 RANK_MEMORY_BYTES = 200 * 10**6
 MEMORY_SHARE = 0.8  # of what is free: the notebook and everything else need the rest
 RANKS_PER_CORE = 16  # past this, ranks queue for the cores long enough to time out collectives
+# Bounds past any real lab, so that a slip of the keyboard (ranks=10**9 with oversubscribe=True,
+# threads_per_rank=10**6) is refused at once instead of failing deep inside a start.
+MAX_RANKS_HERE = 1024  # processes on this machine, even oversubscribed
+MAX_RANKS = 65536  # across machines, with another launcher
+MAX_THREADS_PER_RANK = 1024
 
 
 class DeviceError(LabConfigError):
@@ -160,14 +165,22 @@ def plan_ranks(
     launcher other than the lab's own, ``on_this_machine=False``) are checked
     where they start: this machine's GPUs, cores and memory do not limit them.
     """
-    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 0:
-        raise DeviceError(f"ranks must be a whole number >= 0 (0: only engines that join), got {ranks!r}")
+    most_ranks = MAX_RANKS_HERE if on_this_machine else MAX_RANKS
+    if isinstance(ranks, bool) or not isinstance(ranks, int) or not 0 <= ranks <= most_ranks:
+        where = "on this machine" if on_this_machine else "with this launcher"
+        raise DeviceError(f"ranks must be a whole number >= 0 and at most {most_ranks} {where} (0: only engines "
+                          f"that join), got {ranks!r}")
     for name, flag in (("oversubscribe", oversubscribe), ("check_collectives", check_collectives)):
         if not isinstance(flag, bool):
             raise DeviceError(f"{name} is True or False, got {flag!r}")
     if ranks_per_host is not None and (isinstance(ranks_per_host, bool) or not isinstance(ranks_per_host, int)
                                        or ranks_per_host < 1):
         raise DeviceError(f"ranks_per_host must be a positive integer (GPUs per host for nccl), got {ranks_per_host!r}")
+    if ranks_per_host is not None and on_this_machine and ranks > ranks_per_host:
+        # This launcher puts every rank on this one host: the layout is known before anything starts.
+        raise DeviceError(f"host {_this_host()} would have {ranks} ranks, ranks_per_host is {ranks_per_host}: this "
+                          "launcher starts every rank on this machine; ask for at most "
+                          f"{ranks_per_host} ranks, raise ranks_per_host, or use a launcher that spreads them")
     controller_address = LOOPBACK_ADDRESS if controller_address is None else check_ipv4(controller_address,
                                                                                          "controller_address")
     interface_of(controller_address)  # the controller listens there: it must be this machine's
@@ -200,9 +213,7 @@ def plan_ranks(
         check_capacity(ranks, cpu_count, _available_memory() if available_memory is None else available_memory)
     if threads_per_rank is None and on_this_machine:
         threads_per_rank = max(1, cpu_count // max(1, ranks))
-    if threads_per_rank is not None and (isinstance(threads_per_rank, bool) or not isinstance(threads_per_rank, int)
-                                         or threads_per_rank < 1):
-        raise DeviceError(f"threads_per_rank must be a positive integer, got {threads_per_rank!r}")
+    check_threads(threads_per_rank, cpu_count if on_this_machine and not oversubscribe else None)
     return RankPlan(
         backend=backend,
         ranks=ranks,
@@ -214,6 +225,24 @@ def plan_ranks(
         ranks_per_host=ranks_per_host,
         on_this_machine=on_this_machine,
     )
+
+
+def check_threads(threads_per_rank, cores: int | None) -> None:
+    """Refuse a thread count no rank can use: not a whole number, below 1, or above the cores it runs on
+    (``cores``; None where they are not known here, or oversubscribing: then only the absolute bound)."""
+    most = MAX_THREADS_PER_RANK if cores is None else min(cores, MAX_THREADS_PER_RANK)
+    if threads_per_rank is None:
+        return
+    if isinstance(threads_per_rank, bool) or not isinstance(threads_per_rank, int) or not 1 <= threads_per_rank <= most:
+        beyond = (f" (this machine's cores; more threads than cores only slow a rank down, or pass "
+                  f"oversubscribe=True for up to {MAX_THREADS_PER_RANK})" if cores is not None else "")
+        raise DeviceError(f"threads_per_rank must be a whole number from 1 to {most}{beyond}, got {threads_per_rank!r}")
+
+
+def _this_host() -> str:
+    import socket
+
+    return socket.gethostname()
 
 
 def host_layout(hosts: list[str]) -> list[tuple[int, int, int, int]]:

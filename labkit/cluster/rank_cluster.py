@@ -64,6 +64,7 @@ class RankCluster:
         self._settings: dict[int, dict] = {}  # rank -> what it was told when it became one
         self._connection: dict | None = None  # the controller's engine connection info
         self.sets_started = 0
+        self.phases: list[tuple[str, float]] = []  # (what was done, time.monotonic()) along start()
 
     # -- paths and addresses ------------------------------------------------------
 
@@ -132,13 +133,25 @@ class RankCluster:
             engine_timeout=int(self.start_timeout),
         )
         self.cluster.start_controller_sync(host=self.host, spawn_timeout=self._left(deadline))
+        self._reached("controller started")
         if self.launcher.on_this_machine:
             self.capabilities = health.check_capabilities(self, self._left(deadline))
+            self._reached("torch imported (process host)")
         self._launch(list(range(self.plan.ranks)), deadline)
         self.client = self.cluster.connect_client_sync()
         engines = self._wait_for_engines(self.plan.ranks, deadline) + self._first_joiners(deadline)
+        self._reached("engines registered")
         self._assign(engines, list(range(len(engines))), deadline)
-        self.host.warm()  # while the first cells run: a rank that replaces one later starts warm
+        self._reached("ranks assigned")
+
+    def _reached(self, what: str) -> None:
+        self.phases.append((what, time.monotonic()))
+
+    def warm_host(self) -> None:
+        """Once the lab is ready: the host imports what later ranks need, while the ranks are idle, so
+        a rank that replaces one starts warm (not before: those imports would slow the start)."""
+        if self.host is not None:
+            self.host.warm()
 
     @staticmethod
     def _left(deadline: float) -> float:
@@ -191,8 +204,11 @@ class RankCluster:
             return self.joiners()
         from labkit.cluster.join import join_command
 
-        print(f"labkit: waiting up to {self._left(deadline):.0f} s (start_timeout) for machines to join; run this "
-              f"on each:\n{join_command(self)}", flush=True)
+        # The wait is what is left of start_timeout, which counts from the start of the lab: say both.
+        left = max(0.0, deadline - time.monotonic())
+        print(f"labkit: waiting for machines to join, for the {left:.1f} s left of start_timeout "
+              f"({self.start_timeout:g} s from the start of the lab); run this on each:\n{join_command(self)}",
+              flush=True)
         joined = []
         while not joined and time.monotonic() < deadline:
             time.sleep(0.2)

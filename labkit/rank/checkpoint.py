@@ -9,27 +9,34 @@ its own (``ParallelModel.extra_state``: DiLoCo's global copy, outer momentum and
 each replica's place in its round); and, from rank 0, a ``labkit.json`` with the
 run's settings, written last.
 
-Atomic: every rank writes into a ``.partial-*`` directory beside the target; once
-all have written, rank 0 writes ``labkit.json`` and renames the directory into
-place (an older checkpoint of the same name is moved aside first and removed
-after). A save cut short leaves only a partial directory, which loading ignores,
-and the previous checkpoint stays as it was.
+Atomic: every rank writes into a ``.partial-*`` folder beside the target; once all
+have written, rank 0 writes ``labkit.json`` and puts the folder in place
+(``checkpoint_swap``: one exchange with the previous checkpoint of that name where
+the system allows, so a kill at any instant leaves the old or the new one whole).
+Only a previous labkit checkpoint, an empty folder or nothing may be at the target
+(``checkpoint_files``); anything else is refused before a byte is written. What a
+save cut short left is tidied by the next save to that path.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from labkit.spec.checkpoint_files import META_FILE, save_refusal, tidy
+from labkit.rank.checkpoint_swap import put_in_place
 from labkit.rank.state import TrainState, restore_random_state
+from labkit.spec.errors import LabConfigError
 
-META_FILE = "labkit.json"  # present only in a complete checkpoint
+
+def _first_line(error: BaseException) -> str:
+    lines = [line for line in str(error).splitlines() if line.strip()]
+    return f"{type(error).__name__}: {lines[0] if lines else ''}"
 
 
 def _rng_file(directory: str, rank: int) -> str:
@@ -61,21 +68,24 @@ def _found_only(directory: str, app: dict, extras) -> dict:
 def save(state: TrainState, target: str, partial: str, meta: dict) -> str:
     """Save ``state`` to ``target`` (a directory) on every rank at once; return ``target``."""
     rank = dist.get_rank()
-    if rank == 0 and os.path.exists(partial):
-        shutil.rmtree(partial)  # what an interrupted save of the same name left
+    # Every rank sees the same folder, so all refuse alike and none is left waiting in a barrier.
+    refusal = save_refusal(target)
+    if refusal:
+        raise LabConfigError(refusal)
+    dist.barrier()
+    if rank == 0:
+        tidy(target)  # what a save to this path cut short left beside it
     dist.barrier()
     state.pause()  # the random state as of now, saved below
     dcp.save(_app_state(state), checkpoint_id=partial)
     torch.save(state.rng, _rng_file(partial, rank))
     dist.barrier()  # everyone has written
     if rank == 0:
-        with open(os.path.join(partial, META_FILE), "w") as handle:
+        written = os.path.join(partial, META_FILE + ".tmp")
+        with open(written, "w") as handle:
             json.dump({**meta, "step": state.step, "world_size": dist.get_world_size()}, handle, indent=1)
-        aside = f"{partial}.replaced"
-        if os.path.exists(target):
-            os.rename(target, aside)
-        os.rename(partial, target)
-        shutil.rmtree(aside, ignore_errors=True)
+        os.replace(written, os.path.join(partial, META_FILE))  # whole or absent, never cut short
+        put_in_place(partial, target)
     dist.barrier()  # nobody returns before the checkpoint is in place
     return target
 
@@ -83,31 +93,23 @@ def save(state: TrainState, target: str, partial: str, meta: dict) -> str:
 def load(state: TrainState, directory: str, step: int, same_world: bool) -> int:
     """Load a checkpoint into ``state`` (built for the checkpoint's settings); return its step."""
     extras = state.parallel.extra_state
-    app = _found_only(directory, _app_state(state, loading=True), extras)
-    dcp.load(app, checkpoint_id=directory)
+    try:
+        app = _found_only(directory, _app_state(state, loading=True), extras)
+        dcp.load(app, checkpoint_id=directory)
+    except Exception as error:  # the notebook checked the files; this is damage inside them, or a peer lost
+        raise RuntimeError(f"the checkpoint {directory} could not be read: {_first_line(error)}. If a file in "
+                           "it is damaged, load another checkpoint (an older one in its folder) or save anew") \
+            from error
     set_state_dict(state.model, state.optimizer, model_state_dict=app["model"], optim_state_dict=app["optimizer"])
     for name, extra in extras.items():  # after the model: an extra entry may build on the loaded parameters
         extra.load_state_dict(app.get(name), state.optimizer)
     state.step = step
     rng = _rng_file(directory, dist.get_rank())
     if same_world and os.path.exists(rng):  # on other ranks there is no one state to continue
-        state.rng = torch.load(rng, weights_only=False)
+        try:
+            state.rng = torch.load(rng, weights_only=False)
+        except Exception as error:
+            raise RuntimeError(f"{rng} could not be read ({_first_line(error)}): the checkpoint is damaged; "
+                               "load another checkpoint (an older one in its folder) or save anew") from error
         restore_random_state(state.rng)
     return step
-
-
-def save_during_run(state: TrainState, config) -> str:
-    """The loop's periodic checkpoint: ``checkpoint_dir/step-NNNNNNNN`` after every ``checkpoint_every`` steps."""
-    from labkit.spec.train_config import checkpoint_settings
-
-    name = f"step-{state.step:08d}"
-    os.makedirs(config.checkpoint_dir, exist_ok=True)
-    target = save(state, os.path.join(config.checkpoint_dir, name),
-                  os.path.join(config.checkpoint_dir, f".partial-{name}"), checkpoint_settings(config))
-    if config.keep_checkpoints and dist.get_rank() == 0:
-        complete = sorted(entry for entry in os.listdir(config.checkpoint_dir)
-                          if entry.startswith("step-") and os.path.isfile(os.path.join(config.checkpoint_dir, entry,
-                                                                                       META_FILE)))
-        for old in complete[:-config.keep_checkpoints]:  # the newest stay; a heal needs only the last
-            shutil.rmtree(os.path.join(config.checkpoint_dir, old), ignore_errors=True)
-    return target

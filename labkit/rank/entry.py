@@ -106,8 +106,16 @@ def all_reduce_check() -> float:
     return this_rank().all_reduce_check()
 
 
-def run_cell(code: str, timeout_seconds: float) -> dict:
-    return this_rank().run_cell(code, timeout_seconds)
+def in_notebook_state(state: dict, work, *args):
+    """``work(*args)`` after this rank took on the notebook's folder, umask and environment (``state``)."""
+    runtime = this_rank()
+    runtime.user_process.take_on(state, runtime.rank)
+    return work(*args)
+
+
+def run_cell(code: str, cell: int | None, timeout_seconds: float) -> dict:
+    """``cell``: the notebook's execution count of the ``%%lab`` cell ``code`` is the body of, or None."""
+    return this_rank().run_cell(code, cell, timeout_seconds)
 
 
 def call(fn, args, kwargs, sources: dict | None, timeout_seconds: float) -> dict:
@@ -128,17 +136,20 @@ def train_member(spec: dict) -> dict:
     return train(spec)
 
 
-def run_script(source: str, path: str, args: list[str], timeout_seconds: float) -> dict:
-    return this_rank().run_script(source, path, args, timeout_seconds)
+def run_script(source: str, path: str, argv: list[str], timeout_seconds: float) -> dict:
+    """``argv``: the script's ``sys.argv``, its path as typed first."""
+    return this_rank().run_script(source, path, argv, timeout_seconds)
 
 
 def seed(value: int, same: bool) -> int:
-    """Seed this rank's generators: ``value`` on every rank, or ``value + rank``; return what was used."""
-    from labkit.rank.environment import seed_all
+    """Seed this rank's generators: ``value`` on every rank, or ``value + rank``; return what was used.
 
-    used = value if same else value + this_rank().rank
-    seed_all(used)
-    return used
+    Remembered: every script starts seeded so again, as each would in a fresh process."""
+    from labkit.rank.environment import seed_as_asked
+
+    runtime = this_rank()
+    runtime.seeding = (value, same)
+    return seed_as_asked(runtime.seeding, runtime.rank)
 
 
 def set_link(spec) -> str:

@@ -38,6 +38,7 @@ from collections import deque
 import torch
 
 from labkit.rank.recorder import ROW_CAPACITY, TIMELINE_STEPS, newest_rows
+from labkit.rank.torch_internals import at_end_of_backward
 from labkit.spec.schema import StepRow, TimelineStep
 
 
@@ -111,7 +112,7 @@ def calling_at_backward_end(loss: torch.Tensor, callback):
     for their last gradient reductions).
     """
     def at_backward_start(grad):
-        torch.autograd.Variable._execution_engine.queue_callback(callback)
+        at_end_of_backward(callback)
         return grad
 
     handle = loss.register_hook(at_backward_start)

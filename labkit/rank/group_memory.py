@@ -7,7 +7,7 @@ can reach back to them.
 
 from __future__ import annotations
 
-import torch
+from labkit.rank.torch_internals import forget_dtensor_plans
 
 
 def forget_old_groups() -> None:
@@ -19,19 +19,4 @@ def forget_old_groups() -> None:
     another waits on the wrong group until the time limit). Meshes left on
     torch's mesh stack would likewise refer to destroyed groups.
     """
-    clear_native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
-    if clear_native is not None:
-        clear_native()
-    try:
-        from torch.distributed.device_mesh import _mesh_resources
-        from torch.distributed.tensor import DTensor
-    except ImportError:
-        return
-    propagator = DTensor._op_dispatcher.sharding_propagator
-    for cached in (getattr(propagator, "propagate_op_sharding", None),
-                   getattr(propagator, "_propagate_tensor_meta_cached", None)):
-        for clear in (getattr(cached, "cache_clear", None), getattr(getattr(cached, "cache", None), "cache_clear", None)):
-            if clear is not None:
-                clear()
-    if hasattr(_mesh_resources, "mesh_stack"):
-        _mesh_resources.mesh_stack.clear()
+    forget_dtensor_plans()

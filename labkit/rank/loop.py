@@ -28,9 +28,11 @@ from labkit.rank.control import ControlChannel
 from labkit.rank.entry import this_rank
 from labkit.rank.environment import device_name
 from labkit.rank.memory import estimated_bytes, local_bytes, memory_bytes
+from labkit.rank.periodic_checkpoints import PeriodicCheckpoints
 from labkit.rank.recorder import Publisher
 from labkit.rank.state import state_for
 from labkit.rank.step_timer import StepTimer
+from labkit.rank.torch_internals import device_types
 from labkit.spec.train_config import OPTIMIZERS, TrainConfig
 from labkit.strategies.catalog import DATA_AXES, strategy
 from labkit.strategies.compose import shard_for_memory_estimate
@@ -83,7 +85,7 @@ def control_tensor(values, dtype=torch.float32, group=None) -> torch.Tensor:
     """A small tensor for the lab's own traffic: on CPU when the group carries CPU tensors
     (gloo, or gloo beside nccl), else on this process's GPU (a group of nccl alone)."""
     group = group or dist.group.WORLD
-    if any(device.type == "cpu" for device in group._device_types):
+    if any(device.type == "cpu" for device in device_types(group)):
         return torch.tensor(values, dtype=dtype)
     return torch.tensor(values, dtype=dtype, device=torch.device("cuda", torch.cuda.current_device()))
 
@@ -190,6 +192,7 @@ def _train(config: TrainConfig, runtime) -> dict:
     samples = config.global_batch // config.data_parts if parallel.data_share is not None else 0
     tokens = samples * config.model_config.seq if config.model == "gpt" else None
     saved: list[str] = []  # checkpoints this run wrote
+    checkpoints = PeriodicCheckpoints(config) if config.checkpoint_every else None
     for step in range(config.steps):  # this run's steps; the data position is the state's
         control.poll()
         if step and step % STOP_CHECK_EVERY == 0 and config.instruments and _agree_to_stop(control.stop_requested):
@@ -211,9 +214,7 @@ def _train(config: TrainConfig, runtime) -> dict:
         if config.instruments:
             publisher.maybe_publish()
         if config.checkpoint_every and state.step % config.checkpoint_every == 0:
-            from labkit.rank.checkpoint import save_during_run
-
-            saved.append(save_during_run(state, config))
+            saved.append(checkpoints.save(state))
     losses.print_due()
     recorder.finish()
     if publisher is not None:

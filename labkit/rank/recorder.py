@@ -14,6 +14,9 @@
   does;
 - ``comm`` and ``bytes``: for each collective kind, the time from issue to
   completion (overlapped or not) and the bytes, from the mesh's ``TimedGroup``s;
+- ``cpu``: the main thread's CPU time alone. On a loaded machine the run delay
+  in ``compute`` is mostly the wait for a core after each collective, alike on
+  every rank; straggler scores compare this instead;
 - ``samples``, ``tokens``, ``loss``, ``delay`` (an injected slowdown, see
   ``labkit.rank.control``), ``start`` (wall clock).
 
@@ -48,10 +51,17 @@ class MainThreadClock:
         main = threading.main_thread()
         self._cpu_clock = time.pthread_getcpuclockid(main.ident)
         self._schedstat = None
+        # The main thread leads its thread group, so its id is the process id. Not main.native_id:
+        # in a process forked from another (the lab's ranks are), Python 3.11 keeps the parent's id
+        # there, and the run delay (most of a slowed rank's step on a loaded machine) went unseen.
         try:
-            self._schedstat = os.open(f"/proc/self/task/{main.native_id}/schedstat", os.O_RDONLY)
+            self._schedstat = os.open(f"/proc/self/task/{os.getpid()}/schedstat", os.O_RDONLY)
         except OSError:
             pass  # no schedstat: busy time is CPU time alone
+
+    def cpu(self) -> float:
+        """CPU time alone: the rank's own work, without the waits for a core that ``busy`` adds."""
+        return time.clock_gettime(self._cpu_clock)
 
     def busy(self) -> float:
         busy = time.clock_gettime(self._cpu_clock)
@@ -155,6 +165,7 @@ class StepRecorder:
         now = time.perf_counter()
         self._events.clear()  # collectives that completed before the step are not its own
         self._step = (step, now, self.clock.busy())
+        self._cpu_began = self.clock.cpu()
         self._samples.clear()
         self._samples.append((now, self._step[2]))
 
@@ -184,6 +195,7 @@ class StepRecorder:
             "tokens": tokens,
             "loss": None if loss is None else float(loss),
             "delay": delay,
+            "cpu": self.clock.cpu() - self._cpu_began,
         }
         self.rows.append(row)
         self._samples.append((ended, busy_ended))

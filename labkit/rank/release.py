@@ -46,10 +46,10 @@ def close_peer_connections(keep_ports: set[int]) -> int:
 def release_peers(controller_ports: frozenset[int], backend: str) -> None:
     """Make every peer waiting on this rank fail now (called by a rank whose work failed)."""
     if backend == "nccl":
-        from torch.distributed import distributed_c10d as c10d
+        from labkit.rank.torch_internals import abort_process_groups
 
         try:
-            c10d._abort_process_group()
+            abort_process_groups()
         except Exception:  # noqa: BLE001 - already torn down: nothing waits on it
             pass
     if controller_ports:  # without the controller's ports, closing blindly would cut the engine off

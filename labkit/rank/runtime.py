@@ -35,8 +35,11 @@ from labkit.rank.context import RankContext
 from labkit.spec.schema import FailureKind
 from labkit.rank.entry import RUNTIME_NAME
 from labkit.rank.release import release_peers
-from labkit.rank.environment import device_name, process_group_backend, seed_independently, torchrun_environment
+from labkit.rank.environment import (device_name, process_group_backend, seed_as_asked, seed_independently,
+                                     torchrun_environment)
 from labkit.rank.recorder import recorder_for
+from labkit.rank.torch_internals import all_process_groups, set_group_timeout
+from labkit.rank.user_process import UserProcess
 from labkit.spec.network import place_on_network
 
 # Error text by which a rank knows it failed *because of another rank*: the peer
@@ -80,6 +83,10 @@ class RankRuntime(RankContext):
         self.mesh = None
         self.mesh_spec: tuple[tuple[int, ...], tuple[str, ...]] | None = None
         self.cells_run = 0
+        self.user_process = UserProcess()  # the notebook's folder, umask and environment, for user work
+        self.seeding: tuple[int, bool] | None = None  # what lab.seed last asked: (value, same)
+        # What the engine loaded to become a rank: a script's folder never displaces these.
+        self.lasting_modules = frozenset(name.partition(".")[0] for name in list(sys.modules))
         threads = int(settings.get("threads", 1))
         os.environ["OMP_NUM_THREADS"] = str(threads)
         torch.set_num_threads(threads)
@@ -207,16 +214,14 @@ class RankRuntime(RankContext):
         """Bound every collective of every group by ``seconds`` (the cell's limit)."""
         if not dist.is_initialized():
             return
-        from torch.distributed import distributed_c10d as c10d
-
         limit = timedelta(seconds=seconds)
         with warnings.catch_warnings():
             # check_collectives wraps groups in torch's checker, which has no knob: they keep the
             # limit they were made with (start_timeout), and torch would warn at every cell.
             warnings.simplefilter("ignore", UserWarning)
-            for group in list(c10d._world.pg_map):
+            for group in all_process_groups():
                 try:
-                    c10d._set_pg_timeout(limit, group)
+                    set_group_timeout(group, limit)
                 except Exception:  # groups of backends without the knob keep theirs
                     pass
 
@@ -237,10 +242,18 @@ class RankRuntime(RankContext):
 
     # -- running user work ------------------------------------------------------
 
-    def run_cell(self, code: str, timeout_seconds: float) -> dict:
-        """Run a cell's code in this rank's namespace; the last expression is shown."""
+    def run_cell(self, code: str, cell: int | None, timeout_seconds: float) -> dict:
+        """Run a cell's code in this rank's namespace; the last expression is shown.
+
+        ``cell``: the notebook's execution count when ``code`` is a ``%%lab`` cell's body. Tracebacks
+        then name the cell as its prompt does and count lines as the editor does (the ``%%lab``
+        line is line 1); code given to ``lab.run_cell`` is named by its call on this rank."""
         self.cells_run += 1
-        filename = f"<lab cell {self.cells_run}>"
+        if cell is None:
+            filename = f"<lab.run_cell {self.cells_run}>"
+        else:
+            filename = f"<lab cell In[{cell}]>"
+            code = "\n" + code  # the %%lab line: line numbers are the editor's, syntax errors' too
         linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
 
         def body():
@@ -260,20 +273,27 @@ class RankRuntime(RankContext):
             linecache.cache[filename] = (sum(map(len, lines)), None, lines, filename)
         return self._guarded(lambda: fn(*args, **kwargs), timeout_seconds, result_key="value")
 
-    def run_script(self, source: str, path: str, args: list[str], timeout_seconds: float) -> dict:
-        """Run a torchrun-style script as ``__main__`` (see ``labkit.rank.script``)."""
+    def run_script(self, source: str, path: str, argv: list[str], timeout_seconds: float) -> dict:
+        """Run a torchrun-style script as ``__main__`` (see ``labkit.rank.script``), as in a fresh process:
+        its random state drawn afresh (or seeded as ``lab.seed`` asked), its groups destroyed at its end."""
         from labkit.rank.script import run_script
 
-        return self._guarded(lambda: run_script(source, path, args), timeout_seconds, result_key="value")
+        def script():
+            seed_as_asked(self.seeding, self.rank)
+            return run_script(source, path, argv, self.lasting_modules)
 
-    def _guarded(self, work, timeout_seconds: float, result_key: str) -> dict:
-        """Run user work: the lab's group stands in for the user's init/destroy, exit(0) succeeds."""
+        return self._guarded(script, timeout_seconds, result_key="value", fresh_process=True)
+
+    def _guarded(self, work, timeout_seconds: float, result_key: str, fresh_process: bool = False) -> dict:
+        """Run user work: the lab's group stands in for the user's init/destroy, exit(0) succeeds; the notebook's
+        umask while it runs. ``fresh_process``: the groups the work made go when it ends (a script's)."""
         from labkit.rank.script import ScriptExit, exit_code, lab_process_group
 
         started = time.perf_counter()
         self.set_collective_timeout(timeout_seconds)
         try:
-            with lab_process_group(self.rank, self.world_size, self.backend):
+            with self.user_process.user_umask(), \
+                    lab_process_group(self.rank, self.world_size, self.backend, destroy_at_end=fresh_process):
                 value = work()
         except SystemExit as exited:  # exit() or sys.exit() in a cell or function
             if exit_code(exited.code):

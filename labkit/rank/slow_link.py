@@ -40,9 +40,8 @@ from collections import deque
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import _resolve_process_group
-from torch.distributed import distributed_c10d as c10d
 
+from labkit.rank import torch_internals
 from labkit.rank.timed_group import TimedGroup, TimedWork, instrument_mesh, wrap_group
 
 
@@ -232,15 +231,15 @@ class LinkState:
         """Make the default group a slowed stand-in while a link is set, the real group otherwise."""
         if not dist.is_initialized():
             return
-        current = c10d._world.default_pg
+        current = torch_internals.default_group()
         if self.spec is None:
             if self._world is not None and current is self._world:
-                c10d._update_default_pg(self._world.inner)
+                torch_internals.set_default_group(self._world.inner)
             return
         if current is self._world:
             return
         if self._world is None or self._world.inner is not current:  # a new process group generation
-            if not isinstance(_resolve_process_group(current.group_name), TimedGroup):
+            if not isinstance(torch_internals.group_by_name(current.group_name), TimedGroup):
                 wrap_group(current, QuietRecorder(), self)  # for functional collectives, which go by name
             # The default group is a TimedGroup of its own that reports to nobody: the name may belong to
             # the lab's instrumented 1-D mesh, and the lab's own step-boundary traffic is no step's.
@@ -249,7 +248,7 @@ class LinkState:
             if bound is not None:
                 with contextlib.suppress(Exception):  # only eager nccl groups have one
                     self._world.bound_device_id = bound
-        c10d._update_default_pg(self._world)
+        torch_internals.set_default_group(self._world)
 
 
 def apply_link(context, spec) -> str:

@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import _register_process_group, _resolve_process_group, _unregister_process_group
-from torch.distributed import distributed_c10d as c10d
+
+from labkit.rank import torch_internals
 
 
 def _bytes(value) -> int:
@@ -82,7 +82,7 @@ class TimedWork(dist.Work):
         return self.inner.result()
 
     def _source_rank(self) -> int:  # a receive from any source: who sent (torch's recv asks the work)
-        return self.inner._source_rank()
+        return torch_internals.work_source_rank(self.inner)
 
 
 class TimedGroup(dist.ProcessGroup):
@@ -104,12 +104,12 @@ class TimedGroup(dist.ProcessGroup):
         # A group may have one backend per device type ("cpu:gloo,cuda:nccl"):
         # register each under its own type, and make the GPU's the default.
         default = None
-        for device in inner._device_types:
-            backend = inner._get_backend(device)
-            self._register_backend(device, _backend_type(backend), backend)
+        for device in torch_internals.device_types(inner):
+            backend = torch_internals.backend_of(inner, device)
+            torch_internals.register_backend(self, device, _backend_type(backend), backend)
             if default is None or device.type == "cuda":
                 default = _backend_type(backend)
-        self._set_default_backend(default if default is not None else _backend_type(inner))
+        torch_internals.set_default_backend(self, default if default is not None else _backend_type(inner))
 
     # -- bookkeeping ------------------------------------------------------
 
@@ -208,34 +208,17 @@ def wrap_group(inner: dist.ProcessGroup, recorder, link=None, by_name: bool = Tr
     """Put a TimedGroup in ``inner``'s place: same name, same ranks, same store.
 
     ``by_name=False`` leaves lookups by name (functional collectives) with whatever holds the name."""
-    name = inner.group_name
     timed = TimedGroup(inner, recorder, link)
-    world = c10d._world
-    world.pg_map[timed] = world.pg_map[inner]
-    world.pg_names[timed] = world.pg_names[inner]
-    world.pg_group_ranks[timed] = world.pg_group_ranks[inner]
-    if inner in world.pg_backend_config:
-        world.pg_backend_config[timed] = world.pg_backend_config[inner]
-    if inner in world.pg_to_tag:
-        tag = world.pg_to_tag[inner]
-        world.pg_to_tag[timed] = tag
-        world.tags_to_pg.setdefault(tag, []).append(timed)
-    timed._set_group_name(name)
-    timed._set_group_desc(inner.group_desc)
-    if by_name:
-        _unregister_process_group(name)
-        _register_process_group(name, timed)
+    torch_internals.take_place_of(inner, timed, by_name=by_name)
     return timed
 
 
 def instrument_mesh(mesh, recorder, link=None) -> None:
     """Make every collective over ``mesh``'s groups reach ``recorder`` (and cross ``link``)."""
-    for name in mesh._dim_group_names:
-        group = _resolve_process_group(name)
+    for name in torch_internals.mesh_group_names(mesh):
+        group = torch_internals.group_by_name(name)
         if not isinstance(group, TimedGroup):
-            timed = wrap_group(group, recorder, link)
-            if name in getattr(mesh, "_pg_registry", {}):
-                mesh._pg_registry[name] = timed
+            torch_internals.put_in_mesh(mesh, name, wrap_group(group, recorder, link))
         elif getattr(group.recorder, "quiet", False):
             # Only slowed so far (slow_link, a run without instruments); meshes share the world group's name.
             group.recorder = recorder

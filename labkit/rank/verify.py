@@ -36,6 +36,7 @@ from torch.distributed.tensor import DTensor
 from labkit.zoo.data import dataset_for, loss_function
 from labkit.zoo.models import build_model
 from labkit.rank.loop import control_tensor, make_optimizer
+from labkit.rank.torch_internals import DTENSOR_REDISTRIBUTE_LOGGER
 from labkit.spec.train_config import TrainConfig
 from labkit.spec.schema import Verdict, equivalence_bound
 from labkit.strategies.catalog import strategy
@@ -97,7 +98,7 @@ def compare_with_reference(config: TrainConfig, parallel, device, steps: int) ->
     noise = max(relative_difference(resummed[name], reference[name]) for name in reference)
     # Gathering a 2-D sharded parameter whole takes two all-gathers; torch warns
     # about that on every parameter, which is noise for a one-off comparison.
-    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    logging.getLogger(DTENSOR_REDISTRIBUTE_LOGGER).setLevel(logging.ERROR)
     worst_difference, worst_name, worst_elementwise, compared = 0.0, "", 0.0, 0
     # What this rank holds of the reference, by its own parameters' names (a parameter server's shard).
     held = reference if parallel.reference_view is None else parallel.reference_view(reference)

@@ -5,6 +5,12 @@ checkpoint shards, every rank's random state, and ``labkit.json`` with the run's
 settings, written last). A directory of checkpoints (``checkpoint_dir``, one
 ``step-NNNNNNNN`` each) loads its newest complete one; partial ones are ignored.
 
+A save writes only where nothing of the user's is lost: a new path, an empty folder,
+or a checkpoint labkit wrote, which it replaces (``spec.checkpoint_files`` says
+which paths, and why others are refused). A load first checks that the checkpoint's
+files are whole (``checkpoint_check``), so a damaged one is refused by name before
+the ranks drop what they hold.
+
 Loading builds the model the checkpoint holds, under the lab's ranks and the
 strategy asked for (by default the saved one), and DCP reshards it: saved on 4
 ranks, loaded on 2. A checkpoint of another model than the one asked for is
@@ -15,54 +21,51 @@ continues from the checkpoint's step.
 from __future__ import annotations
 
 import glob
-import json
 import os
-import uuid
 
 from labkit.rank import entry
-from labkit.spec.errors import LabConfigError
+from labkit.spec.checkpoint_files import META_FILE, is_checkpoint_file, is_complete, partial_directory, recoverable, \
+    save_refusal
+from labkit.runs.checkpoint_check import check_files, read_meta
+from labkit.spec.errors import LabBusy, LabConfigError
 from labkit.spec.train_config import TrainConfig, checkpoint_settings, identity_differences, resolve
 from labkit.strategies.catalog import checkpoint_refusal
 
-META_FILE = "labkit.json"  # the rank side writes it last: its presence marks a complete checkpoint
+__all__ = ["META_FILE", "find_checkpoint", "is_complete", "load", "read_meta", "save"]
 STEP_PATTERN = "step-*"
 
 
-def step_directory(directory: str, step: int) -> str:
-    return os.path.join(directory, f"step-{step:08d}")
-
-
-def partial_directory(target: str) -> str:
-    """Where a save writes before it is complete: beside the target, never mistaken for it."""
-    parent, name = os.path.split(os.path.abspath(target))
-    return os.path.join(parent, f".partial-{name}-{uuid.uuid4().hex[:8]}")
-
-
-def is_complete(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, META_FILE))
-
-
-def read_meta(path: str) -> dict:
-    with open(os.path.join(path, META_FILE)) as handle:
-        return json.load(handle)
-
-
 def find_checkpoint(path: str) -> str:
-    """``path`` itself when it is a checkpoint, else the newest complete checkpoint inside it."""
+    """``path`` itself when it is a checkpoint, else the newest complete checkpoint inside it, else the
+    whole one a save to ``path`` cut short while replacing it left beside it."""
     path = os.path.abspath(os.path.expanduser(path))
+    if os.path.isfile(path):
+        folder = os.path.dirname(path)
+        hint = (f"give its folder, {folder}" if is_checkpoint_file(os.path.basename(path))
+                else "give the folder lab.save wrote (it holds labkit.json)")
+        raise LabConfigError(f"{path} is a file, not a checkpoint: a checkpoint is a folder; {hint}")
     if is_complete(path):
         return path
     found = sorted(candidate for candidate in glob.glob(os.path.join(path, STEP_PATTERN)) if is_complete(candidate))
     if found:
         return found[-1]
     if not os.path.isdir(path):
+        left = recoverable(path)
+        if left is not None:
+            return left
         raise LabConfigError(f"no checkpoint at {path}: the path does not exist")
     raise LabConfigError(f"no complete checkpoint in {path} (partial saves, if any, are ignored): "
                          "save one with lab.save(path), or train with checkpoint_every and checkpoint_dir")
 
 
 def save(session, path: str, timeout: float) -> str:
-    """Save the training state the ranks hold into the directory ``path``; return its full path."""
+    """Save the training state the ranks hold into the directory ``path``; return its full path.
+
+    ``path`` may be new, an empty folder, or a checkpoint labkit wrote (replaced); anything else is refused."""
+    try:
+        session.require_idle()
+    except LabBusy as busy:  # the run owns the training state: saving now would race its steps
+        raise LabBusy(f"cannot save now: {busy}; then save (what the ranks hold when it ends)") from None
     record = session.last_training
     if record is None:
         raise LabConfigError("there is no training state to save: train first (lab.train), or load a checkpoint; "
@@ -70,9 +73,16 @@ def save(session, path: str, timeout: float) -> str:
     if checkpoint_refusal(record.config.parts):
         raise LabConfigError(f"cannot save the last run: {checkpoint_refusal(record.config.parts)}")
     target = os.path.abspath(os.path.expanduser(path))
-    os.makedirs(os.path.dirname(target), exist_ok=True)
+    refusal = save_refusal(target)
+    if refusal:
+        raise LabConfigError(refusal)
+    try:
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+    except OSError as error:
+        raise LabConfigError(f"cannot make the folder {os.path.dirname(target)} ({error.strerror}): "
+                             "give another path") from None
     meta = checkpoint_settings(record.config)
-    session.execute(session.targets(None), entry.save_checkpoint, (target, partial_directory(target), meta), timeout)
+    session.execute(None, entry.save_checkpoint, (target, partial_directory(target), meta), timeout)
     return target
 
 
@@ -86,6 +96,11 @@ def load(session, path: str, timeout: float, mesh: dict | None = None, **overrid
     """Load the checkpoint at ``path`` into the ranks (resharded to them); return the run's config."""
     directory = find_checkpoint(path)
     meta = read_meta(directory)
+    check_files(directory, meta)
+    if os.path.basename(directory).startswith("."):
+        print(f"labkit: a save to {os.path.abspath(os.path.expanduser(path))} was cut short while it replaced the "
+              f"checkpoint there; loading the whole one it left beside it, {directory} (the next save to that "
+              "path puts it in place)")
     saved = _normalised(meta["settings"])
     differences = identity_differences(saved, overrides)
     if differences:
@@ -105,7 +120,7 @@ def load(session, path: str, timeout: float, mesh: dict | None = None, **overrid
     if checkpoint_refusal(config.parts):
         raise LabConfigError(f"cannot load into {config.strategy}: {checkpoint_refusal(config.parts)}")
     session.ready()
-    session.execute(session.targets(None), entry.load_checkpoint,
+    session.execute(None, entry.load_checkpoint,
                     (config, directory, meta["step"], same_world), timeout)
     session.remember_training(config, meta["step"])
     return config

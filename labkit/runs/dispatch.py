@@ -12,6 +12,9 @@ interrupted. How a stuck rank is brought back, in order:
    in C code) is killed and replaced by a fresh process.
 
 A kernel interrupt (the notebook's stop button) starts at step 2 at once.
+
+User work runs in the notebook's folder, umask and environment of the moment it
+is sent (``runs.notebook_process``): they travel with it to each rank.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import signal
 import time
 
+from labkit.rank import entry as rank_entry
 from labkit.spec.schema import FailureKind, RankReport
 from labkit.views.rank_output import LiveOutput, RankTexts
 
@@ -66,10 +70,12 @@ class RankWork:
         output: LiveOutput,
         on_tick=None,
         on_interrupt=None,
+        notebook=None,
     ):
         """``on_tick(work)`` runs at every poll (live metrics read ``work.results``);
         ``on_interrupt()`` may ask the ranks to wind down and return how many
-        seconds to give them before they are interrupted."""
+        seconds to give them before they are interrupted. ``notebook``: the
+        ``NotebookProcess`` whose state the work runs in (None: the ranks' own)."""
         self.cluster = cluster
         self.on_tick = on_tick
         self.on_interrupt = on_interrupt
@@ -81,7 +87,13 @@ class RankWork:
         self.replaced: list[int] = []
         self.timed_out = False
         self.interrupted = False
-        self.pending = {rank: cluster.engine(rank).apply_async(entry, *args) for rank in self.ranks}
+        if notebook is None:
+            self.pending = {rank: cluster.engine(rank).apply_async(entry, *args) for rank in self.ranks}
+        else:
+            state = notebook.state()
+            self.pending = {rank: cluster.engine(rank).apply_async(
+                rank_entry.in_notebook_state, notebook.state_for(state, cluster.records.get(rank)), entry, *args)
+                for rank in self.ranks}
         self.results = dict(self.pending)  # every rank's AsyncResult, finished or not
         self.started = time.monotonic()
 

@@ -7,11 +7,17 @@ session forms hands to its ranks (so a rank replaced after a failure, or a lab
 restarted, gets the same link), and each rank's ``LinkState``
 (``labkit.rank.slow_link``), which delays its collectives. It is sent to idle
 ranks only: a training run in progress keeps the link it started with.
+
+Setting a link returns it (the notebook shows it); removing one says so. A wait
+the lab itself spends on the link (checking a new process group over it) is
+named once it lasts (``waiting_notice``), so a slow cell does not sit silent.
 """
 
 from __future__ import annotations
 
+import contextlib
 import re
+import threading
 
 from labkit.rank import entry
 from labkit.spec.errors import LabConfigError
@@ -22,6 +28,7 @@ from labkit.units import is_latency_text
 # (units.is_latency_text), anything else with a unit a bandwidth.
 _NUMBER = re.compile(r"^-?(\d+(\.\d*)?|\.\d+)$")
 LINK_USAGE = "write %lab link 100Mbit 20ms (bandwidth, latency, either may be left out), %lab link off, or %lab link"
+NOTICE_AFTER_SECONDS = 1.0  # a wait shorter than this needs no words
 
 
 def set_link(session, bandwidth=..., latency=...) -> LinkSpec | None:
@@ -32,10 +39,30 @@ def set_link(session, bandwidth=..., latency=...) -> LinkSpec | None:
     _check_recoverable(spec, session)
     if session.running:
         session.ready()  # idle ranks, broken ones replaced, before the setting changes
-    session.link = spec  # first: if a rank fails on the way, the group formed next gives it the link
+    previous, session.link = session.link, spec  # first: if a rank fails on the way, the next group gets it
     if session.running:
         session.call(range(session.world_size), entry.set_link, (spec,), session.start_timeout)
+    if spec is None:  # nothing is returned to show, so say it
+        print("simulated link removed: collectives run at this machine's speed again" if previous is not None
+              else "no simulated link was set: nothing to remove")
     return spec
+
+
+@contextlib.contextmanager
+def waiting_notice(link: LinkSpec | None, doing: str, after: float = NOTICE_AFTER_SECONDS, say=None):
+    """Say once what the notebook waits on if the ranks take more than ``after`` seconds to do
+    ``doing`` over ``link`` (nothing without a link, or when the block ends first)."""
+    if link is None:
+        yield
+        return
+    text = f"waiting for the ranks to {doing} over the simulated link ({link.describe()}) ..."
+    timer = threading.Timer(after, say or (lambda line: print(line, flush=True)), (text,))
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
 
 
 def _check_recoverable(spec: LinkSpec | None, session) -> None:
@@ -96,7 +123,9 @@ def link_command(lab, words: list[str]) -> None:
     from IPython.core.error import UsageError
 
     try:
-        spec = lab.link(*parse_words(words))
+        bandwidth, latency = parse_words(words)
+        spec = lab.link(bandwidth, latency)
     except LabConfigError as error:
         raise UsageError(f"%lab link: {error}") from None
-    print(describe(spec, lab.world_size))
+    if spec is not None or bandwidth is ...:  # a removal was said by lab.link itself
+        print(describe(spec, lab.world_size))

@@ -32,6 +32,11 @@ def read_script(path) -> tuple[str, str]:
     return source, str(script.resolve())
 
 
+def script_argv(path, args) -> list[str]:
+    """The script's ``sys.argv``: its path as typed (as a shell passes it on: ``~`` expanded), then ``args``."""
+    return [os.path.expanduser(str(path)), *(str(arg) for arg in args)]
+
+
 def notebook_sources(fn) -> dict[str, list[str]]:
     """{filename: lines} of the notebook cells ``fn`` (and functions it closes over) were defined in."""
     sources, seen, pending = {}, set(), [fn]

@@ -105,20 +105,51 @@ class TaskResults:
     def __iter__(self):
         return iter(self.values)
 
+    def failures(self, why: str) -> list[TaskRecord]:
+        """The failed tasks that ``why`` says: "raised", "lost" (their rank was lost more often than
+        retries allow: a task that kills its rank) or "timed out"."""
+        return [record for record in self.records if record.state == "failed" and _failure(record) == why]
+
     def summary(self) -> str:
         shares = ", ".join(f"rank {rank}: {count}" for rank, count in self.per_rank().items()) or "none"
-        failed = sum(record.state == "failed" for record in self.records)
         lines = [f"{self.done}/{len(self.records)} tasks done in {self.makespan:.2f} s; done by {shares}"]
         if self.requeued:
             lines.append(f"{self.requeued} task(s) requeued after their rank was lost")
-        if failed:
-            lines.append(f"{failed} task(s) raised")
+        # A task that raised, one whose rank kept dying under it and one past its time are told apart:
+        # only the first is an error of the task's own code.
+        for why, said in (("raised", "raised"), ("timed out", "did not finish in time and were stopped"),
+                          ("lost", "lost their rank on every try and were not requeued again (a task that ends its own "
+                                   "process does this)")):
+            failed = self.failures(why)
+            if failed:
+                lines.append(f"{len(failed)} task(s) {said}: {_tasks_and_ranks(failed)}")
         if self.interrupted:
             lines.append("interrupted: waiting tasks were withdrawn")
         return "\n".join(lines + self.events)
 
     def __repr__(self) -> str:
         return f"<TaskResults {self.summary().splitlines()[0]}>"
+
+
+LOST = "LostRank"  # the error type of a task whose rank was lost more often than retries allow
+
+
+def _failure(record: TaskRecord) -> str:
+    kind = (record.error or {}).get("type")
+    if kind == LOST:
+        return "lost"
+    if kind == "TimeoutError" and (record.error or {}).get("traceback") == "":
+        return "timed out"  # stopped by the queue (a task's own TimeoutError has its traceback)
+    return "raised"
+
+
+def _on_rank(record: TaskRecord) -> str:
+    return f"on rank {record.rank}" if record.rank is not None else "on a rank lost before it was seen starting"
+
+
+def _tasks_and_ranks(records: list[TaskRecord]) -> str:
+    shown = ", ".join(f"task {record.index} {_on_rank(record)}" for record in records[:5])
+    return shown + (f" and {len(records) - 5} more" if len(records) > 5 else "")
 
 
 def _check(fn, items, retries) -> list:
@@ -245,6 +276,9 @@ class TaskQueue:
                 report = result.get(0)
             except Exception as error:  # noqa: BLE001 - the scheduler's reply for an engine that went
                 if type(error).__name__ == "EngineError" or "EngineError" in str(getattr(error, "ename", "")):
+                    engine_id = result.metadata.get("engine_id")
+                    if engine_id in self.dead_engines:  # the rank it was sent to, if it is known
+                        record.rank = self.dead_engines[engine_id][0]
                     self._requeue(record, "its rank's engine was unregistered by the controller")
                     continue
                 record.state, record.error = "failed", {"type": type(error).__name__, "message": str(error),
@@ -261,7 +295,7 @@ class TaskQueue:
     def _requeue(self, record: TaskRecord, why: str) -> None:
         if record.attempts > self.retries:
             record.state = "failed"
-            record.error = {"type": "LostRank", "message": f"{why}; not requeued: retries={self.retries} used up",
+            record.error = {"type": LOST, "message": f"{why}; not requeued: retries={self.retries} used up",
                             "traceback": ""}
             return
         self.events.append(f"task {record.index} requeued: {why}")
@@ -364,5 +398,5 @@ def run_tasks(session, fn, items, timeout: float | None = None, retries: int | N
         first = failed[0]
         detail = first.error.get("traceback") or f"{first.error['type']}: {first.error['message']}"
         raise TaskFailed(f"{len(failed)} of {len(results)} tasks failed (the others' results are in "
-                         f"error.results); task {first.index} on rank {first.rank}:\n{detail}", results)
+                         f"error.results); task {first.index} {_on_rank(first)}:\n{detail}", results)
     return results

@@ -22,6 +22,7 @@ from labkit.runs.healing import Interrupted, continuation, has_checkpoint
 from labkit.runs.budget import enforce_budget
 from labkit.spec.errors import LabConfigError, LabError
 from labkit.views.metrics import DEFAULT_THRESHOLD, MetricsTable
+from labkit.views.stragglers import check_threshold
 from labkit.spec.train_config import TrainConfig, resolve, resume_differences, user_settings
 from labkit.strategies.catalog import role_of
 from labkit.views.train_report import TrainReport
@@ -57,6 +58,7 @@ class TrainingRun:
         self._work: RankWork | None = None
         self.heals: list[str] = []  # what auto_heal did, in words
         self._healing: str | None = None
+        self._displays: list = []  # notebook displays of this run, brought up to date when it ends
 
     # -- running ------------------------------------------------------------
 
@@ -78,9 +80,10 @@ class TrainingRun:
             entry.train,
             (self.config,),
             self.timeout,
-            # In the background, rank output would land in whatever cell runs then: keep it.
+            # In the background, rank output would land in whatever cell runs then: keep it. Under a
+            # dashboard, progress goes to its status line instead of growing the cell without end.
             output=make_output(ranks, live=False if self.background else None, show_values=False,
-                               silent=self.background),
+                               silent=self.background or self.dashboard is not None),
             on_tick=self._tick,
             on_interrupt=self._wind_down,
         )
@@ -90,6 +93,7 @@ class TrainingRun:
             data = result.data if isinstance(result.data, dict) else {}
             self.table.merge(data.get("labkit_rows"))
         if self.dashboard is not None:
+            self.dashboard.set_progress(_newest_line(getattr(work, "output", None)))
             self.dashboard.update()
 
     def _wind_down(self) -> float:
@@ -135,8 +139,11 @@ class TrainingRun:
                 pass
             self.session.release(self)
             if self.dashboard is not None:
+                self.dashboard.set_progress(_newest_line(getattr(self._work, "output", None)))
                 self.dashboard.finish(self.status())
             self._done.set()
+            for handle in self._displays:  # the cell that showed the run shows how it ended
+                handle.update({"text/plain": repr(self)}, raw=True)
 
     def _mark_failure(self, error) -> None:
         """Show on the dashboard which ranks died (or were replaced), after which step."""
@@ -214,6 +221,28 @@ class TrainingRun:
     def __repr__(self) -> str:
         return f"<TrainingRun {self.config.describe()}: {self.status()}>"
 
+    def _ipython_display_(self) -> None:
+        """In a notebook: the repr in a display that is updated when the run ends (not a stale 'starting')."""
+        from IPython.display import display
+
+        handle = display({"text/plain": repr(self)}, raw=True, display_id=True)
+        if handle is not None:
+            self._displays.append(handle)
+            if self._done.is_set():  # it ended while the display was being made
+                handle.update({"text/plain": repr(self)}, raw=True)
+
+
+def _newest_line(output) -> str:
+    """The last line the lowest-numbered rank that printed anything printed, labelled (``[rank 0] ...``)."""
+    texts = getattr(output, "texts", None)
+    if texts is None:
+        return ""
+    for rank in texts.ranks:
+        lines = [line for line in texts.stdout.get(rank, "").splitlines() if line.strip()]
+        if lines:
+            return f"[rank {rank}] {lines[-1]}"
+    return ""
+
 
 def _continuation(session, settings: dict, mesh) -> tuple[dict, dict | None, int]:
     """Settings, mesh and first step of ``resume=True``: the last run's, with what was given changed."""
@@ -258,6 +287,10 @@ def resolve_run(session, settings: dict, mesh, resume: bool = False) -> TrainCon
 def launch_training(session, settings: dict, mesh, timeout: float, dashboard: bool, background: bool,
                     straggler_threshold: float, resume: bool = False) -> TrainingRun:
     """``Lab.train``'s work: check everything, enforce the memory budget, start the run."""
+    try:
+        straggler_threshold = check_threshold(straggler_threshold)
+    except ValueError as error:
+        raise LabConfigError(str(error)) from None
     config = resolve_run(session, settings, mesh, resume)
     if config.tf32 and session.plan.device_type != "cuda":
         raise LabConfigError("tf32 switches NVIDIA GPUs' matrix units to TensorFloat-32; this lab's ranks run on CPU "
@@ -265,6 +298,8 @@ def launch_training(session, settings: dict, mesh, timeout: float, dashboard: bo
     session.ready()
     if config.mesh_reason != "given":
         print(f"{config.strategy} without a mesh: using {config.mesh.describe()}, {config.mesh_reason}")
+    if config.batch_note and not resume:
+        print(f"{config.strategy} on {session.world_size} ranks: {config.batch_note}")
     if config.max_memory is not None and not resume:
         enforce_budget(session, config)
     run = TrainingRun(session, config, timeout, dashboard=dashboard, background=background,

@@ -135,6 +135,15 @@ def _were(ranks) -> str:
     return "was" if len(ranks) == 1 else "were"
 
 
+# A rank's error that only says its peer went away: the consequence of another rank's failure,
+# whatever path of the rank's code it was raised in.
+_CONSEQUENCE_MARKERS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+
+
+def _is_consequence(error: dict) -> bool:
+    return any(marker in (error.get("message") or "") for marker in _CONSEQUENCE_MARKERS)
+
+
 class RankFailure(LabError):
     """Work failed on some ranks. ``reports`` holds every rank's report by rank."""
 
@@ -169,8 +178,36 @@ class RankFailure(LabError):
         }
 
     @property
+    def _echoes(self) -> dict[int, dict]:
+        """Ranks that raised only "connection closed/reset by peer" while another rank failed on its own:
+        told as released by that failure, not as causes."""
+        raised = self._errors(FailureKind.RAISED)
+        echoes = {rank: error for rank, error in raised.items() if _is_consequence(error)}
+        own = set(raised) - set(echoes)
+        others = own | set(self._errors(FailureKind.DIED)) | set(self._errors(FailureKind.INTERRUPTED))
+        return echoes if others else {}
+
+    @property
     def raised(self) -> dict[int, dict]:
-        return self._errors(FailureKind.RAISED)
+        echoes = self._echoes
+        return {rank: error for rank, error in self._errors(FailureKind.RAISED).items() if rank not in echoes}
+
+    @property
+    def causes(self) -> list[int]:
+        """The ranks that failed on their own (raised, died, hung), or that skipped a collective the
+        others waited in: the other failed ranks only followed them."""
+        skipped = self._skipped()
+        if skipped:
+            return skipped
+        return sorted(set(self.raised) | set(self.died) | set(self.hung) | set(self.replaced))
+
+    def _skipped(self) -> list[int]:
+        """The ranks that finished while every failed rank only waited for a peer: they skipped a collective."""
+        finished = [rank for rank, report in self.reports.items() if report.get("ok")]
+        waited = set(self.hung) | set(self._errors(FailureKind.COLLECTIVE))
+        if finished and waited and not self.raised and not self.died and not self.interrupted:
+            return sorted(finished)
+        return []
 
     @property
     def hung(self) -> dict[int, dict]:
@@ -179,7 +216,7 @@ class RankFailure(LabError):
 
     @property
     def released(self) -> dict[int, dict]:
-        return self._errors(FailureKind.COLLECTIVE)
+        return dict(sorted({**self._errors(FailureKind.COLLECTIVE), **self._echoes}.items()))
 
     @property
     def died(self) -> dict[int, dict]:
@@ -209,14 +246,16 @@ class RankFailure(LabError):
                 limit = f" within {self.timeout_seconds:g} s" if self.timeout_seconds else ""
                 parts.append(f"{format_ranks(self.hung)} did not finish{limit} and {_were(self.hung)} interrupted")
         if self.released:
-            parts.append(f"{format_ranks(self.released)} failed in a collective waiting on a peer")
+            causes = self.causes
+            why = f"as a consequence of {format_ranks(causes)}" if causes else "waiting on a peer"
+            parts.append(f"{format_ranks(self.released)} failed in a collective {why}")
         if self.replaced:
             parts.append(f"{format_ranks(self.replaced)} did not respond and {_were(self.replaced)} replaced by fresh processes")
         if not parts and self.timed_out:
             parts.append(f"the work did not finish within {self.timeout_seconds:g} s")
-        finished = [rank for rank, report in self.reports.items() if report.get("ok")]
+        finished = self._skipped()
         waited = sorted(set(self.hung) | set(self.released))
-        if finished and waited and not self.raised and not self.died and not self.interrupted:
+        if finished:
             # Nobody failed on its own: the finished ranks left a collective the others were in.
             parts.append(f"{format_ranks(finished)} finished while the others waited in a collective: "
                          f"{'it' if len(finished) == 1 else 'they'} skipped a collective (or called fewer) "
@@ -231,8 +270,11 @@ class RankFailure(LabError):
             by_traceback[error["traceback"]].append(rank)
         for text, ranks in by_traceback.items():
             blocks.append(f"--- {format_ranks(ranks)} ---\n{text.rstrip()}")
+        by_death = defaultdict(list)  # ranks that died the same way: one explanation
         for rank, error in self.died.items():
-            blocks.append(f"--- rank {rank} (died) ---\n{error['message']}")
+            by_death[error["message"]].append(rank)
+        for message, ranks in by_death.items():
+            blocks.append(f"--- {format_ranks(ranks)} (died) ---\n{message}")
         by_place = defaultdict(list)
         for rank, error in self.hung.items():
             by_place[_last_frame(error["traceback"])].append(rank)
@@ -242,8 +284,10 @@ class RankFailure(LabError):
         by_message = defaultdict(list)
         for rank, error in self.released.items():
             by_message[f"{error['type']}: {_plain_message(error['message'])}"].append(rank)
+        causes = self.causes
+        consequence = f": a consequence of {format_ranks(causes)}, not a cause" if causes else ""
         for message, ranks in by_message.items():
-            blocks.append(f"--- {format_ranks(ranks)} (released from a collective) ---\n{message}")
+            blocks.append(f"--- {format_ranks(ranks)} (released from a collective{consequence}) ---\n{message}")
         if self.recovery:
             blocks.append(self.recovery)
         return "\n".join(blocks)

@@ -9,7 +9,7 @@ failure a rank can report are spelled here only.
 
 from __future__ import annotations
 
-from typing import Optional, TypedDict
+from typing import NotRequired, Optional, TypedDict
 
 
 class FailureKind:
@@ -56,6 +56,7 @@ class StepRow(TypedDict):
     tokens: Optional[int]
     loss: Optional[float]
     delay: float  # injected slowdown (lab.slow)
+    cpu: NotRequired[float]  # CPU ranks: the main thread's CPU time alone (what straggler scores compare)
 
 
 class TimelineStep(TypedDict):

@@ -49,7 +49,7 @@ class TrainConfig:
     peak_tflops: float | None = None
     checkpoint_every: int | None = None  # steps between checkpoints (with checkpoint_dir)
     checkpoint_dir: str | None = None
-    keep_checkpoints: int | None = None  # the newest this many stay in checkpoint_dir (None: all)
+    keep_checkpoints: int | None = 3  # the newest this many of a run's checkpoints stay in checkpoint_dir (None: all)
     auto_heal: bool = False  # after a failure: replace ranks, load the last checkpoint, go on
     max_restarts: int = 3
     model_settings: dict = field(default_factory=dict)
@@ -58,6 +58,7 @@ class TrainConfig:
     mesh_names: tuple[str, ...] = ()
     mesh_shape: tuple[int, ...] = ()
     mesh_reason: str = "given"
+    batch_note: str = ""  # how the default global batch was fitted to the mesh, in words ("": as it is)
 
     def __getattr__(self, name: str):
         # A strategy's setting reads like a field: config.bucket_cap_mb.
@@ -103,11 +104,12 @@ class TrainConfig:
 
 def user_settings() -> set[str]:
     """The general settings a user gives ``lab.train`` (the strategies' own come from the catalog)."""
-    return {f.name for f in fields(TrainConfig)} - {"options", "first_step", "mesh_names", "mesh_shape", "mesh_reason"}
+    return {f.name for f in fields(TrainConfig)} - {"options", "first_step", "mesh_names", "mesh_shape", "mesh_reason",
+                                                   "batch_note"}
 
 
 # What a continuation (``resume=True``) may change: how long it runs and how it reports.
-RESUME_MAY_CHANGE = ("steps", "log_every", "verify", "max_memory", "peak_tflops", "first_step", "mesh_reason",
+RESUME_MAY_CHANGE = ("steps", "log_every", "verify", "max_memory", "peak_tflops", "first_step", "mesh_reason", "batch_note",
                      "checkpoint_every", "checkpoint_dir", "keep_checkpoints", "auto_heal", "max_restarts")
 # What makes a checkpoint another model: loading it under other values is refused.
 MODEL_IDENTITY = ("model", "model_settings")
@@ -143,12 +145,69 @@ def resume_differences(before: TrainConfig, after: TrainConfig) -> list[str]:
             if name not in RESUME_MAY_CHANGE and then[name] != now[name]]
 
 
+class BatchSplitError(ValueError):
+    """The global batch given does not split over the data-parallel replicas and micro-batches."""
+
+
+LARGEST_LAB = 64  # how far the nearest lab size that runs a refused request is looked for
+
+
 def resolve(world_size: int, mesh: dict | None = None, lab_mesh: MeshSpec | None = None, **settings) -> TrainConfig:
     """Build a ``TrainConfig`` and check it against the lab's world size; raise ValueError.
 
     ``lab_mesh``: the lab's current mesh, used by a composition given no ``mesh``
-    when its axes are the ones the composition needs.
+    when its axes are the ones the composition needs. A request that cannot run
+    on ``world_size`` ranks but would on another number of ranks is refused
+    naming the nearest such number.
     """
+    try:
+        return _resolve(world_size, mesh, lab_mesh, **settings)
+    except BatchSplitError:
+        raise  # a batch the user gave: its message names the nearest batches that split
+    except ValueError as error:
+        if mesh or isinstance(world_size, bool) or not isinstance(world_size, int):
+            raise  # a mesh given fixes the number of ranks: its own message says what to change
+        sizes = nearest_sizes(world_size, lambda size: _resolve(size, None, None, **settings))
+        if not sizes:
+            raise
+        raise ValueError(f"{error}. These settings run on a lab of {' or '.join(map(str, sizes))} ranks, "
+                         f"the nearest size that works") from None
+
+
+def nearest_sizes(world_size: int, attempt) -> list[int]:
+    """The lab sizes closest to ``world_size`` (both, on a tie) for which ``attempt(size)`` raises no ValueError."""
+    for distance in range(1, LARGEST_LAB):
+        found = []
+        for size in (world_size - distance, world_size + distance):
+            if 1 <= size <= LARGEST_LAB:
+                try:
+                    attempt(size)
+                except ValueError:
+                    continue
+                found.append(size)
+        if found:
+            return found
+    return []
+
+
+def _fit_default_batch(config: TrainConfig, settings: dict) -> TrainConfig:
+    """A global batch left at its default becomes the nearest multiple of what it is split into, saying so."""
+    default = TrainConfig.global_batch
+    replicas, micro = config.data_parts, config.micro_batches
+    if "global_batch" in settings or not isinstance(micro, int) or micro < 1:
+        return config
+    unit = replicas * micro
+    batch = config.global_batch
+    if batch == default and batch % unit:
+        batch = -(-default // unit) * unit  # up: every replica keeps at least the default's share
+    if batch == default:
+        return config
+    parts = " x ".join(([f"{replicas} data-parallel ranks"] if replicas > 1 else []) +
+                       ([f"{micro} micro-batches"] if micro > 1 else []))
+    direction = "up" if batch > default else "down"
+    return replace(config, global_batch=batch,
+                   batch_note=f"global batch {batch} ({default} rounded {direction} to a multiple of {parts})")
+def _resolve(world_size: int, mesh: dict | None, lab_mesh: MeshSpec | None, **settings) -> TrainConfig:
     general = user_settings()
     owned = settings_by_name()
     unknown = sorted(set(settings) - general - set(owned))
@@ -201,6 +260,7 @@ def resolve(world_size: int, mesh: dict | None = None, lab_mesh: MeshSpec | None
         # A strategy's other defaults fill only the general settings not given (ps: a batch its workers divide).
         candidate = replace(candidate, **{name: value for name, value in filled.items()
                                           if name != "micro_batches" and name not in settings})
+        candidate = _fit_default_batch(candidate, settings)
         try:
             _check(candidate)
         except ValueError as error:
@@ -277,10 +337,13 @@ def _check(config: TrainConfig) -> None:
     _positive_number("lr", config.lr, "the learning rate")
     config.model_config  # refuses unknown models and settings
     replicas = config.data_parts
-    if config.global_batch % (replicas * config.micro_batches):
-        raise ValueError(
+    unit = replicas * config.micro_batches
+    if config.global_batch % unit:
+        below, above = config.global_batch // unit * unit, (config.global_batch // unit + 1) * unit
+        nearest = f"{below} or {above}" if below else f"{above}"
+        raise BatchSplitError(
             f"global_batch={config.global_batch} must split evenly into {replicas} data-parallel replicas x "
-            f"micro_batches={config.micro_batches}"
+            f"micro_batches={config.micro_batches}: use a multiple of {unit}, such as {nearest}"
         )
     for part in config.parts:
         if strategy(part).check is not None:

@@ -70,6 +70,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from labkit.rank import torch_internals
 from labkit.strategies.ps_gate import StalenessGate, shard_bounds, staleness_bound
 
 PUSH_TAG = 71  # worker -> server: a gradient shard
@@ -95,7 +96,7 @@ class Link:
 
     def __init__(self, group, device: torch.device) -> None:
         self.group = group
-        cpu = any(kind.type == "cpu" for kind in group._device_types)
+        cpu = any(kind.type == "cpu" for kind in torch_internals.device_types(group))
         self.device = torch.device("cpu") if cpu else device
 
     def send(self, tensor: torch.Tensor, to: int, tag: int):
@@ -108,7 +109,7 @@ class Link:
         """Receive from whichever rank sends first; return its group rank."""
         work = dist.irecv(tensor, group=self.group, tag=tag)
         self.wait_all([work])
-        return work._source_rank()
+        return torch_internals.work_source_rank(work)
 
     def wait_all(self, works) -> None:
         """Wait within the lab's collective limit: gloo's point-to-point waits take no group timeout
@@ -228,11 +229,10 @@ class Server:
 
 def _timeout_of(group):
     """The group's current collective limit (the lab sets it for each cell), for groups made now."""
-    for kind in group._device_types:
-        try:
-            return group._get_backend(kind).options._timeout
-        except (AttributeError, RuntimeError):
-            continue
+    for kind in torch_internals.device_types(group):
+        limit = torch_internals.backend_timeout(group, kind)
+        if limit is not None:
+            return limit
     return None
 
 

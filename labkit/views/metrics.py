@@ -7,12 +7,13 @@ throughput per rank and in total, the step split into compute and exposed
 communication, communication time and bytes by collective, the loss, injected
 slowdowns, and straggler scores. Pure: no processes, no torch.
 
-Straggler score: a rank's busy time per step (its rolling median over the last
-``window`` steps) divided by the median of the same over the ranks that do the
-same work. In synchronous training every rank's *step* takes as long as the
-slowest one (the others wait in a collective), so the step time cannot tell who
-is slow; busy time can. Ranks compare with ranks of the same pipeline stage,
-whose work is alike; a stage alone in its kind is never scored.
+Stragglers: ``views.stragglers`` scores each rank's busy time against the
+ranks that do the same work (one pipeline stage, one role), step by step, as
+soon as every rank of a group has reported a step. On CPU ranks busy time here
+is the main thread's CPU time (``cpu``): the run delay that ``compute`` also
+counts is mostly the wait for a core after a collective, on a loaded machine
+the same for every rank and several times the work itself, and it would drown
+a slow rank's extra work. GPU rows score their device compute.
 """
 
 from __future__ import annotations
@@ -20,38 +21,16 @@ from __future__ import annotations
 import statistics
 from collections import defaultdict
 
-DEFAULT_THRESHOLD = 1.5
-DEFAULT_WINDOW = 5
+from labkit.views.stragglers import DEFAULT_THRESHOLD, DEFAULT_WINDOW, StragglerDetector, straggler_scores
+
+__all__ = ["DEFAULT_THRESHOLD", "MetricsTable", "straggler_scores"]
+
+RECENT_STEPS = 10  # what "recent" means for the split, the collectives and the total throughput
 
 
-def straggler_scores(
-    busy_by_rank: dict[int, list[float]],
-    peers_of: dict[int, int],
-    window: int = DEFAULT_WINDOW,
-    threshold: float = DEFAULT_THRESHOLD,
-) -> dict[int, tuple[float, bool]]:
-    """{rank: (score, flagged)} from each rank's recent busy seconds per step.
-
-    ``peers_of`` maps a rank to the group it is compared within (its pipeline
-    stage); ranks with fewer than ``window`` steps, or alone in their group, get
-    a score of 1.0.
-    """
-    recent = {
-        rank: statistics.median(times[-window:]) for rank, times in busy_by_rank.items() if len(times) >= window
-    }
-    groups = defaultdict(list)
-    for rank, value in recent.items():
-        groups[peers_of.get(rank, 0)].append(value)
-    scores = {}
-    for rank in busy_by_rank:
-        group = groups.get(peers_of.get(rank, 0), [])
-        if rank not in recent or len(group) < 2:
-            scores[rank] = (1.0, False)
-            continue
-        reference = statistics.median(group)
-        score = recent[rank] / reference if reference > 0 else 1.0
-        scores[rank] = (score, score > threshold)
-    return scores
+def busy_seconds(row: dict) -> float:
+    """What straggler scores compare: CPU time on CPU ranks, device compute on GPU ranks."""
+    return row.get("cpu", row["compute"])
 
 
 class MetricsTable:
@@ -72,6 +51,11 @@ class MetricsTable:
         self.window = window
         self.rows: dict[int, dict[int, dict]] = {rank: {} for rank in range(world_size)}
         self._sequence: dict[int, int] = {}
+        self.detector = StragglerDetector(threshold, window)
+        self._groups: dict[object, list[int]] = defaultdict(list)
+        for rank in range(world_size):
+            self._groups[self.peers_of.get(rank, 0)].append(rank)
+        self._scored_up_to: dict[object, int] = {}  # group -> the newest step the detector has seen
 
     # -- input ------------------------------------------------------------
 
@@ -121,7 +105,7 @@ class MetricsTable:
         return min(max(rows) for rows in self.rows.values())
 
     def _recent(self, rank: int, count: int | None = None) -> list[dict]:
-        count = count or 2 * self.window
+        count = count or RECENT_STEPS
         steps = sorted(self.rows[rank])
         # The first step warms up caches and allocators: leave it out once there are others.
         if len(steps) > 1 and steps[0] == 0:
@@ -137,7 +121,7 @@ class MetricsTable:
     def total_throughput(self) -> float:
         """Global batch over the median recent step time of the slowest rank."""
         times = self.step_times()
-        recent = list(times.values())[-2 * self.window :]
+        recent = list(times.values())[-RECENT_STEPS:]
         return self.global_batch / statistics.median(recent) if recent else 0.0
 
     def step_times(self) -> dict[int, float]:
@@ -202,9 +186,31 @@ class MetricsTable:
                     previous = delay
         return events
 
+    def _detect(self) -> None:
+        """Feed the detector each group's steps that all of its ranks have reported, oldest first.
+
+        A step some rank never published (windows that overflowed) is skipped, never waited for."""
+        for group, ranks in self._groups.items():
+            done = self._scored_up_to.get(group, -1)
+            newest = min((max(self.rows.get(rank) or {-1: None}) for rank in ranks), default=-1)
+            if newest <= done:
+                continue
+            for step in range(done + 1, newest + 1):
+                if all(step in self.rows.get(rank, {}) for rank in ranks):
+                    self.detector.observe(step, {rank: busy_seconds(self.rows[rank][step]) for rank in ranks})
+            # Steps trained again after a failure (``new_segment``) are not scored a second time.
+            self._scored_up_to[group] = newest
+
     def stragglers(self) -> dict[int, tuple[float, bool]]:
-        busy = {rank: self.series(rank, "compute", 4 * self.window)[1] for rank in self.ranks()}
-        return straggler_scores(busy, self.peers_of, self.window, self.threshold)
+        """{rank: (score, flagged)}: busy time against like ranks, over the last steps reported."""
+        self._detect()
+        return self.detector.scores(self.ranks())
 
     def flagged(self) -> list[int]:
-        return [rank for rank, (_, flagged) in self.stragglers().items() if flagged]
+        self._detect()
+        return self.detector.flagged()
+
+    def flag_events(self) -> list[tuple[int, int, bool]]:
+        """(rank, step, flagged) at each step where a rank's straggler flag rose or cleared."""
+        self._detect()
+        return list(self.detector.events)

@@ -27,7 +27,11 @@ def board_text(total: int, world_size: int, records, rank_states: dict[int, str]
         running = [str(record.index) for record in records if record.state == "running" and record.rank == rank]
         done = sum(record.state == "done" and record.rank == rank for record in records)
         bar = "#" * done
-        lines.append(f"{rank:<6}{','.join(running) or '-':<10}{done:<6}{rank_states.get(rank, 'ready'):<9}{bar}")
+        # The queue knows replacements; what a rank does now is read from the tasks it holds.
+        state = rank_states.get(rank, "ready")
+        if state == "ready" and running:
+            state = "running"
+        lines.append(f"{rank:<6}{','.join(running) or '-':<10}{done:<6}{state:<9}{bar}")
     return "\n".join(lines)
 
 

@@ -77,10 +77,12 @@ class Timeline:
                 axes.broken_barh(spans, (y - 0.38, 0.22), facecolors=KIND_COLOURS.get(kind, "#777777"))
         axes.set_yticks(range(len(ranks)), [f"rank {rank}" for rank in reversed(ranks)])
         axes.set_xlabel("ms")
-        axes.set_title(self.title or "last steps per rank: compute, waiting, and collectives (lower lane)", fontsize=10)
+        shown = max((len(entries) for entries in self.entries.values()), default=0)
+        which = "last step" if shown == 1 else f"last {shown} steps"
+        axes.set_title(self.title or f"{which} per rank: compute, waiting, and collectives (lower lane)", fontsize=11)
         handles = [Patch(color=COMPUTE, label="compute"), Patch(color=WAITING, label="waiting")]
         handles += [Patch(color=KIND_COLOURS.get(kind, "#777777"), label=kind) for kind in sorted(kinds)]
-        axes.legend(handles=handles, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.25 / len(ranks) - 0.12),
+        axes.legend(handles=handles, fontsize=10, loc="upper center", bbox_to_anchor=(0.5, -0.25 / len(ranks) - 0.12),
                     ncol=len(handles), frameon=False)
         figure.subplots_adjust(bottom=0.1 + 0.25 / len(ranks) + 0.1, top=0.9, left=0.07, right=0.99)
         return figure

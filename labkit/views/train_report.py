@@ -160,7 +160,7 @@ class TrainReport:
         entries = {result["rank"]: result["timeline"] for result in self.results}
         if not all(entries.values()):
             raise ValueError("this run kept no timeline (it ran with instruments=False)")
-        return Timeline(entries, steps, title=f"{self.config.describe()}: last steps")
+        return Timeline(entries, steps, title=timeline_title(self.config, entries, steps))
 
     def export_trace(self, path: str, steps: int | None = None) -> str:
         """Write a Chrome/Perfetto trace of the last steps (all that were kept by default)."""
@@ -250,3 +250,17 @@ class TrainReport:
         )
         lines = "".join(f"<div>{html.escape(line)}</div>" for line in self.summary_lines())
         return f"<div>{lines}<div>memory per rank:</div><table><tr>{head}</tr>{body}</table></div>"
+
+
+def timeline_title(config, entries_by_rank: dict, steps: int | None) -> str:
+    """A timeline's title: the run, its pipeline schedule (what tells two pipeline timelines apart)
+    and which steps are shown, counted as they are ("last step", "last 3 steps")."""
+    shown = set.intersection(*(set(entry["step"] for entry in entries) for entries in entries_by_rank.values()))
+    count = min(len(shown), steps) if steps else len(shown)
+    schedule = config.options.get("schedule") if "pp" in config.mesh.names else None
+    how = f", {SCHEDULE_NAMES.get(schedule, schedule)} schedule, {config.micro_batches} microbatches" if schedule else ""
+    which = "last step" if count == 1 else f"last {count} steps"
+    return f"{config.describe()}{how}: {which}"
+
+
+SCHEDULE_NAMES = {"gpipe": "GPipe", "1f1b": "1F1B"}

@@ -28,6 +28,7 @@ class ProcessHost:
         self.process: subprocess.Popen | None = None
         self.exit_codes: dict[int, int] = {}
         self.capabilities: Future = Future()
+        self.warmed: Future | None = None  # once asked (warm): done when the host has imported WARM_MODULES
         self._replies: dict[int, Future] = {}
         self._next_id = 0
         self._lock = threading.Lock()
@@ -97,8 +98,10 @@ class ProcessHost:
         return future
 
     def warm(self) -> Future:
-        """Ask the host to import what ranks need later (children forked after it start with it)."""
-        return self.request_spawn("warm", [], {}, os.devnull)
+        """Ask the host to import what ranks need later (children forked after it start with it), while
+        the ranks are idle; the future is done once every module is imported."""
+        self.warmed = self.request_spawn("warm", [], {}, os.devnull)
+        return self.warmed
 
     def spawn(self, entry: str, argv: list[str], env: dict[str, str], log: str, timeout: float) -> int:
         try:

@@ -16,9 +16,14 @@ Run as ``python -m labkit.cluster.hosted.process_host``; it speaks JSON lines on
 
 Nothing is left behind, including what the ranks start themselves (a cell's
 ``subprocess.Popen``): every child leads its own process group, which its
-subprocesses join; when a child ends, the host ends the rest of its group; the
-host adopts every orphan below it (a Linux child subreaper), and when its stdin
-closes (its owner stopped it, or died) it terminates every process below it and
+subprocesses join; when a child ends, the host ends the rest of its group. A
+process that left the group (``start_new_session=True``, ``setsid cmd &``) is
+still found: every child carries a token of its own in its environment
+(``LABKIT_OWNER``), which the programs it starts inherit; the host adopts every
+orphan below it (a Linux child subreaper), so when a child ends, what it started
+outside its group comes to the host, which ends each adopted process whose token
+names no living child (with everything below it). When its stdin closes (its
+owner stopped it, or died) the host terminates every process below it and
 exits. Every child also holds the read end of a "life pipe" and, when the host
 is gone, terminates its own process group.
 
@@ -51,8 +56,8 @@ RANK_MODULES = (
     "labkit.rank.runtime",
 )
 # What a rank imports on its first training run or checkpoint (about 1.5 s of CPU). The host
-# imports them once the lab is up ("warm" request), so ranks forked later (replacing one that
-# died) start with them: a heal does not pay the imports again.
+# imports them once the lab is ready ("warm" request), while the ranks are idle (warmer.py), so
+# ranks forked later (replacing one that died) start with them: a heal does not pay them again.
 WARM_MODULES = (
     "torch.distributed.checkpoint",
     "torch.distributed.checkpoint.state_dict",
@@ -65,6 +70,8 @@ WARM_MODULES = (
 )
 CONTROLLER_MODULE = "ipyparallel.controller.app"
 TERMINATE_GRACE_SECONDS = 3.0
+# The environment variable by which a process started below a child names that child.
+OWNER_VARIABLE = "LABKIT_OWNER"
 
 
 # ---------------------------------------------------------------------------
@@ -130,7 +137,11 @@ class _Host:
         os.close(devnull)
         self.life_read_fd, self.life_write_fd = os.pipe()
         self.children: dict[int, str] = {}
+        self.tokens: dict[int, str] = {}  # child pid -> the token its descendants carry (OWNER_VARIABLE)
+        self.spawned = 0
         self.rank_modules_loaded = False
+        self.warmer = None  # an IdleWarmer once the owner asks for the warm imports
+        self.warm_requests: list = []  # ids of warm requests, answered once every module is imported
 
     def reply(self, message: dict) -> None:
         self.replies.write(json.dumps(message) + "\n")
@@ -164,9 +175,13 @@ class _Host:
         gc.freeze()
         sys.stdout.flush()
         sys.stderr.flush()
+        self.spawned += 1
+        # Unique over the host's life (a pid can be reused, a token is not).
+        token = f"{os.getpid()}-{self.spawned}"
         pid = os.fork()
         if pid:
             self.children[pid] = entry
+            self.tokens[pid] = token
             return pid
         # --- in the child ---
         os.setsid()  # own session: a Ctrl-C meant for the notebook does not reach ranks
@@ -181,32 +196,71 @@ class _Host:
         if request.get("cwd"):
             os.chdir(request["cwd"])
         os.environ.update(request.get("env") or {})
+        os.environ[OWNER_VARIABLE] = token  # inherited by every program it starts
         _run_child(entry, list(request.get("argv") or []), self.life_read_fd)
         raise AssertionError("unreachable")
 
-    def reap(self) -> bool:
-        """Collect every child that ended (forked or adopted); False once none is left."""
+    def reap(self, sweep: bool = False) -> bool:
+        """Collect every child that ended (forked or adopted); False once none is left.
+
+        ``sweep``: when something ended, also end what ended children started outside their group."""
+        ended = False
         while True:
             try:
                 pid, status = os.waitpid(-1, os.WNOHANG)
             except ChildProcessError:
                 return False
             if pid == 0:
+                if ended and sweep:
+                    self.sweep_orphans()
                 return True
+            ended = True
             if self.children.pop(pid, None) is not None:
+                self.tokens.pop(pid, None)
                 # What the child started dies with it (now, before its pid can be reused).
                 _signal_group(pid, signal.SIGKILL, leader=False)
                 self.reply({"event": "exit", "pid": pid, "code": os.waitstatus_to_exitcode(status)})
 
+    def sweep_orphans(self) -> None:
+        """End every adopted process (and what is below it) whose token names no living child.
+
+        When a child ends, what it started in a session or group of its own is reparented to the
+        host (a subreaper). A process adopted while its child still lives (a shell's ``cmd &``)
+        carries that child's token and stays; one without a token cannot be told apart and is
+        left to ``terminate_children``. Ending an orphan reparents its own children here, and its
+        end brings the host back here for them."""
+        import psutil
+
+        living = set(self.tokens.values())
+        ours = f"{os.getpid()}-"  # a token of another host (a lab started inside a rank) is not ours to judge
+        try:
+            adopted = [child for child in psutil.Process().children() if child.pid not in self.children]
+        except psutil.Error:
+            return
+        for orphan in adopted:
+            try:
+                token = orphan.environ().get(OWNER_VARIABLE)
+                if token is None or not token.startswith(ours) or token in living:
+                    continue
+                family = [orphan, *orphan.children(recursive=True)]
+            except psutil.Error:
+                continue  # ended meanwhile, or not ours to read
+            for process in family:
+                try:
+                    process.send_signal(signal.SIGKILL)
+                except psutil.Error:
+                    pass
+
     def handle(self, line: str) -> None:
         request = json.loads(line)
         if request.get("entry") == "warm":
-            for name in WARM_MODULES:
-                try:
-                    __import__(name)
-                except Exception:  # noqa: BLE001 - a rank imports what it needs anyway
-                    pass
-            self.reply({"id": request.get("id"), "warm": True})
+            if self.warmer is None:
+                from labkit.cluster.hosted.warmer import IdleWarmer
+
+                self.warmer = IdleWarmer(WARM_MODULES)
+            self.warmer.request()  # imported while the ranks are idle (serve), not now
+            self.warm_requests.append(request.get("id"))
+            self.answer_warm_requests()
             return
         try:
             pid = self.spawn(request)
@@ -214,6 +268,12 @@ class _Host:
             self.reply({"id": request.get("id"), "error": f"{type(error).__name__}: {error}"})
         else:
             self.reply({"id": request.get("id"), "pid": pid})
+
+    def answer_warm_requests(self) -> None:
+        if self.warmer is not None and self.warmer.done:
+            for request_id in self.warm_requests:
+                self.reply({"id": request_id, "warm": True})
+            self.warm_requests.clear()
 
     def pending_request(self, timeout: float) -> str | None:
         """The next request line, '' at end of input, None if none came in time."""
@@ -240,9 +300,12 @@ class _Host:
             return
         self.load_rank_modules()
         while True:
-            self.reap()
+            self.reap(sweep=True)
             line = self.pending_request(0.1)
             if line is None:
+                if self.warmer is not None and self.warmer.tick(
+                        [pid for pid, entry in self.children.items() if entry == "engine"]):
+                    self.answer_warm_requests()
                 continue
             if line == "":
                 return

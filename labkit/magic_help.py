@@ -1,0 +1,78 @@
+"""What ``%lab --help`` and ``%lab COMMAND --help`` show: each command in one line, its options one line each.
+
+``SUMMARIES`` is the one place a command is described; the parsers take their
+first line from it. Commands whose few words are read by hand (``%lab kill 1``,
+``%lab link 100Mbit 20ms``) get a parser here that only describes them.
+"""
+
+from __future__ import annotations
+
+from labkit.magic_args import CommandParser
+
+SUMMARIES = {  # in the order %lab --help lists them
+    "start": "start N ranks; run again, it reuses a healthy lab with the same settings or replaces it",
+    "mesh": "build a named device mesh on every rank and draw it (lab.mesh)",
+    "train": "train a zoo model under a strategy; each option is a setting of lab.train",
+    "slow": "make a rank busy-wait that much longer each training step: a straggler on demand (lab.slow)",
+    "link": "a simulated slow network between the ranks: set it, remove it (off) or, alone, show it (lab.link)",
+    "seed": "seed torch, numpy and random on every rank: S + rank, or S everywhere with --same (lab.seed)",
+    "run": "run a script written for torchrun, unmodified, as __main__ on every rank (lab.run_script)",
+    "bench": "time a collective over message sizes on the ranks' device (lab.bench_collective)",
+    "checkpoint": "save the ranks' training state, or load a checkpoint resharded to these ranks (lab.save, lab.load)",
+    "kill": "SIGKILL a rank's process, also during a run (lab.kill); %lab heal replaces it",
+    "heal": "replace what died and go on from the newest checkpoint (lab.heal)",
+    "tasks": "FN(item) for every item of ITEMS, each on whichever rank is idle (lab.tasks)",
+    "ensemble": "members trained apart on the task queue, scored against their combination (lab.ensemble)",
+    "join-command": "the line that, run on another machine with labkit, makes its engine join as the next rank",
+    "status": "one row per rank: state, host, pid, engine, device, threads, group, coordinate (also %lab alone)",
+    "timeout": "the default time limit for each cell, in seconds",
+    "restart": "fresh processes with the same settings (lab.restart)",
+    "stop": "stop every rank, the controller and its ports (lab.stop)",
+}
+CELL_SUMMARY = "run the cell on every rank (or some); output labelled [rank r], the last value shown"
+
+
+def command_parser(name: str, **kwargs) -> CommandParser:
+    return CommandParser(prog=f"%lab {name}", description=SUMMARIES[name], **kwargs)
+
+
+def described_parsers() -> dict[str, CommandParser]:
+    """Parsers that only describe the commands read by hand (for their ``--help``)."""
+    mesh = command_parser("mesh", usage="%lab mesh NAME=SIZE [NAME=SIZE ...]")
+    mesh.add_argument("sizes", metavar="NAME=SIZE", help="an axis and its size, e.g. dp=2 tp=2; one size may be -1")
+    slow = command_parser("slow", usage="%lab slow RANK DELAY")
+    slow.add_argument("rank", metavar="RANK", help="the rank to slow down")
+    slow.add_argument("delay", metavar="DELAY", help="added to each of its steps, e.g. 30ms; off: its own speed again")
+    link = command_parser("link", usage="%lab link [BANDWIDTH] [LATENCY] | %lab link off | %lab link")
+    link.add_argument("bandwidth", metavar="BANDWIDTH", help="e.g. 100Mbit or 1Gbit/s (left out: unlimited)")
+    link.add_argument("latency", metavar="LATENCY", help="per message round, e.g. 20ms (left out: none)")
+    link.add_argument("off", metavar="off", help="remove the link: collectives run at this machine's speed")
+    seed = command_parser("seed", usage="%lab seed S [--same]")
+    seed.add_argument("seed", metavar="S", help="a non-negative integer; rank r gets S + r")
+    seed.add_argument("--same", action="store_true", help="S on every rank")
+    run = command_parser("run", usage="%lab run [--ranks 0,2] [--timeout S] SCRIPT [ARGS ...]")
+    run.add_argument("--ranks", metavar="0,2", help="run on these ranks only (options stand before the script)")
+    run.add_argument("--timeout", metavar="S", help="limit for the script, seconds")
+    run.add_argument("script", metavar="SCRIPT", help="the script's path, as torchrun takes it")
+    run.add_argument("args", metavar="ARGS", help="the script's own arguments (its --help is its own)")
+    checkpoint = command_parser("checkpoint", usage="%lab checkpoint save PATH | %lab checkpoint load PATH")
+    checkpoint.add_argument("save", metavar="save PATH", help="save the ranks' training state to PATH")
+    checkpoint.add_argument("load", metavar="load PATH",
+                            help="load PATH (or the newest checkpoint in a checkpoint_dir), resharded to these ranks")
+    kill = command_parser("kill", usage="%lab kill RANK")
+    kill.add_argument("rank", metavar="RANK", help="the rank to kill")
+    timeout = command_parser("timeout", usage="%lab timeout S")
+    timeout.add_argument("seconds", metavar="S", help="seconds a cell may run before its ranks are interrupted")
+    bare = {name: command_parser(name, usage=f"%lab {name}")
+            for name in ("heal", "join-command", "status", "restart", "stop")}
+    return dict(mesh=mesh, slow=slow, link=link, seed=seed, run=run, checkpoint=checkpoint, kill=kill,
+                timeout=timeout, **bare)
+
+
+def overview() -> str:
+    """``%lab --help``: every command in one line."""
+    width = max(map(len, SUMMARIES))
+    lines = ["%lab COMMAND [options]: live torch.distributed ranks; %lab COMMAND --help for its options"]
+    lines += [f"  {name.ljust(width)}  {summary}" for name, summary in SUMMARIES.items()]
+    lines.append(f"%%lab [options]: {CELL_SUMMARY}")
+    return "\n".join(lines) + "\n"

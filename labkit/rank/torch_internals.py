@@ -1,0 +1,225 @@
+"""Every use labkit makes of torch's private API, in one place.
+
+Runs in the engines. The lab does things torch offers no public call for: it puts
+a timed stand-in in a process group's place (under the same name, in torch's
+registry of groups), changes the time limit of every group at each cell, swaps the
+default group while a slow link is simulated, aborts the groups of a failing nccl
+rank, clears what DTensor and the mesh stack cached about groups that a rebuild
+destroyed, and queues a callback at the end of backward. Each of these reaches
+into ``torch.distributed.distributed_c10d``, ``torch._C`` or underscored methods,
+which change between torch releases without notice.
+
+So they live here and nowhere else: a new torch is checked against this file
+(``missing_internals`` lists what it lacks; a test asserts it lacks nothing), and
+``labkit.spec.torch_version`` names this file when the installed torch is not a
+tested one. Code elsewhere calls the functions below and never an underscored
+name of torch's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch._C import _distributed_c10d as c10d_native
+from torch.distributed import distributed_c10d as c10d
+
+# torch's logger for DTensor's redistribution, which warns at every uneven shard of the zoo's models.
+DTENSOR_REDISTRIBUTE_LOGGER = "torch.distributed.tensor._redistribute"
+
+# The per-group tables of torch's registry that a stand-in must appear in, as its real group does.
+_WORLD_TABLES = ("pg_map", "pg_names", "pg_group_ranks")
+
+
+def missing_internals() -> list[str]:
+    """The private names labkit uses that this torch lacks (empty on a tested torch)."""
+    checks = {
+        "distributed_c10d._world": lambda: c10d._world,
+        **{f"distributed_c10d._world.{table}": (lambda t=table: getattr(c10d._world, t))
+           for table in (*_WORLD_TABLES, "pg_backend_config", "pg_to_tag", "tags_to_pg", "default_pg")},
+        "distributed_c10d._set_pg_timeout": lambda: c10d._set_pg_timeout,
+        "distributed_c10d._update_default_pg": lambda: c10d._update_default_pg,
+        "distributed_c10d._abort_process_group": lambda: c10d._abort_process_group,
+        "_C._distributed_c10d._register_process_group": lambda: c10d_native._register_process_group,
+        "_C._distributed_c10d._resolve_process_group": lambda: c10d_native._resolve_process_group,
+        "_C._distributed_c10d._unregister_process_group": lambda: c10d_native._unregister_process_group,
+        "ProcessGroup._register_backend": lambda: dist.ProcessGroup._register_backend,
+        "ProcessGroup._set_default_backend": lambda: dist.ProcessGroup._set_default_backend,
+        "ProcessGroup._get_backend": lambda: dist.ProcessGroup._get_backend,
+        "ProcessGroup._device_types": lambda: dist.ProcessGroup._device_types,
+        "ProcessGroup._set_group_name": lambda: dist.ProcessGroup._set_group_name,
+        "ProcessGroup._set_group_desc": lambda: dist.ProcessGroup._set_group_desc,
+        "Work._source_rank": lambda: dist.Work._source_rank,
+        # Names torch calls on a ProcessGroup written in Python (labkit.rank.timed_group overrides them).
+        "ProcessGroup._allgather_base": lambda: dist.ProcessGroup._allgather_base,
+        "ProcessGroup._reduce_scatter_base": lambda: dist.ProcessGroup._reduce_scatter_base,
+        "autograd.Variable._execution_engine.queue_callback":
+            lambda: torch.autograd.Variable._execution_engine.queue_callback,
+    }
+    missing = []
+    for name, look_up in checks.items():
+        try:
+            look_up()
+        except AttributeError:
+            missing.append(name)
+    return missing
+
+
+# -- the registry of process groups --------------------------------------------------
+
+
+def all_process_groups() -> list:
+    """Every process group this process has made (the default one and each ``new_group``)."""
+    return list(c10d._world.pg_map)
+
+
+def default_group():
+    """The default (world) group as torch holds it, stand-in or not; None before init."""
+    return c10d._world.default_pg
+
+
+def set_default_group(group) -> None:
+    """Make ``group`` what torch's collectives use when given no group."""
+    c10d._update_default_pg(group)
+
+
+def group_by_name(name: str):
+    """The group registered under ``name`` (how functional collectives and DTensor find one)."""
+    return c10d_native._resolve_process_group(name)
+
+
+def take_place_of(inner, stand_in, by_name: bool = True) -> None:
+    """Register ``stand_in`` as ``inner`` is registered: same ranks, same store, same name and description.
+
+    ``by_name=False`` leaves the lookup by name with whatever holds the name now."""
+    world = c10d._world
+    for table in _WORLD_TABLES:
+        getattr(world, table)[stand_in] = getattr(world, table)[inner]
+    if inner in world.pg_backend_config:
+        world.pg_backend_config[stand_in] = world.pg_backend_config[inner]
+    if inner in world.pg_to_tag:
+        tag = world.pg_to_tag[inner]
+        world.pg_to_tag[stand_in] = tag
+        world.tags_to_pg.setdefault(tag, []).append(stand_in)
+    stand_in._set_group_name(inner.group_name)
+    stand_in._set_group_desc(inner.group_desc)
+    if by_name:
+        c10d_native._unregister_process_group(inner.group_name)
+        c10d_native._register_process_group(inner.group_name, stand_in)
+
+
+def group_lifecycle() -> tuple:
+    """torch's ``init_process_group`` and ``destroy_process_group`` as its own code calls them."""
+    return c10d.init_process_group, c10d.destroy_process_group
+
+
+@contextlib.contextmanager
+def group_lifecycle_replaced(init, destroy):
+    """While inside: ``init_process_group``/``destroy_process_group`` are ``init`` and ``destroy``, both as
+    ``torch.distributed`` offers them and as ``distributed_c10d`` holds them (what torch's helpers call)."""
+    original = group_lifecycle()
+    modules = (dist, c10d)
+    for module in modules:
+        module.init_process_group, module.destroy_process_group = init, destroy
+    try:
+        yield
+    finally:
+        for module in modules:
+            module.init_process_group, module.destroy_process_group = original
+
+
+def set_group_timeout(group, limit: timedelta) -> None:
+    """Bound the collectives of ``group`` by ``limit`` (raises for backends without the knob)."""
+    c10d._set_pg_timeout(limit, group)
+
+
+def abort_process_groups() -> None:
+    """Abort every group of this process (nccl: its communicators), so peers waiting on it fail now."""
+    c10d._abort_process_group()
+
+
+# -- one process group's backends ------------------------------------------------------
+
+
+def device_types(group) -> list:
+    """The device types a group has a backend for (``cpu:gloo,cuda:nccl`` has two)."""
+    return list(group._device_types)
+
+
+def backend_of(group, device):
+    """The backend ``group`` uses for tensors on ``device`` (a torch.device or its type)."""
+    return group._get_backend(device)
+
+
+def register_backend(group, device, backend_type, backend) -> None:
+    group._register_backend(device, backend_type, backend)
+
+
+def set_default_backend(group, backend_type) -> None:
+    group._set_default_backend(backend_type)
+
+
+def backend_timeout(group, device) -> timedelta | None:
+    """The time limit of ``group``'s backend for ``device``; None when the backend does not say."""
+    try:
+        return backend_of(group, device).options._timeout
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def work_source_rank(work) -> int:
+    """Who sent what a receive from any source got (torch's ``recv`` asks the work)."""
+    return work._source_rank()
+
+
+# -- meshes and DTensor -------------------------------------------------------------------
+
+
+def mesh_group_names(mesh) -> list[str]:
+    """The registered names of a DeviceMesh's groups, one per dimension."""
+    return list(mesh._dim_group_names)
+
+
+def put_in_mesh(mesh, name: str, group) -> None:
+    """Where a DeviceMesh keeps its own table of groups by name, make ``name`` resolve to ``group``."""
+    registry = getattr(mesh, "_pg_registry", None)
+    if registry is not None and name in registry:
+        registry[name] = group
+
+
+def forget_dtensor_plans() -> None:
+    """Drop DTensor's cached sharding plans (in C++ and in Python) and torch's stack of current meshes.
+
+    Both are keyed without the process groups they were made on; after a rebuild they would name
+    destroyed or different groups. A process that never used DTensor has nothing cached."""
+    clear_native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    if clear_native is not None:
+        clear_native()
+    # A module never imported cached nothing; importing DTensor only to clear it would cost ~0.8 s
+    # of CPU per rank, on the critical path of every lab's start.
+    if "torch.distributed.tensor" in sys.modules:
+        from torch.distributed.tensor import DTensor
+
+        propagator = DTensor._op_dispatcher.sharding_propagator
+        for cached in (getattr(propagator, "propagate_op_sharding", None),
+                       getattr(propagator, "_propagate_tensor_meta_cached", None)):
+            for clear in (getattr(cached, "cache_clear", None),
+                          getattr(getattr(cached, "cache", None), "cache_clear", None)):
+                if clear is not None:
+                    clear()
+    if "torch.distributed.device_mesh" in sys.modules:
+        from torch.distributed.device_mesh import _mesh_resources
+
+        if hasattr(_mesh_resources, "mesh_stack"):
+            _mesh_resources.mesh_stack.clear()
+
+
+# -- autograd ---------------------------------------------------------------------------
+
+
+def at_end_of_backward(callback) -> None:
+    """Run ``callback`` when the current backward pass finishes (called from inside backward)."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
