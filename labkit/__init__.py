@@ -30,7 +30,7 @@ _EXPORTS = {
     "TrainReport": "labkit.views.train_report",
     "this_rank": "labkit.rank.entry",
     "torchrun": "labkit.runs.torchrun",
-    "TaskFailed": "labkit.runs.tasks",
+    "TaskFailed": "labkit.runs.task_results",
     "TorchrunFailed": "labkit.runs.torchrun",
 }
 

@@ -21,6 +21,7 @@ from labkit.runs.sources import read_script, script_argv
 from labkit.runs.status import LabStatus, collect_status
 from labkit.runs.training_run import launch_training
 from labkit.session import Session
+from labkit.spec.call_arguments import check_seed
 from labkit.spec.errors import LabConfigError
 from labkit.spec.mesh import MeshError, MeshSpec
 from labkit.units import positive_seconds
@@ -191,13 +192,7 @@ class Lab:
 
         Until then each rank has its own random state, drawn when it started (a replaced
         rank draws afresh), as under torchrun. Returns the seeds."""
-        if not isinstance(same, bool):
-            raise LabConfigError(f"same is True or False, got {same!r}")
-        # Each rank takes value + rank (unless same): every rank's seed must be in range, the last one too.
-        last = 0 if same else max(0, self.world_size - 1)
-        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 2**63 - 1 - last:
-            most = "2**63 - 1" if not last else f"2**63 - {last + 1} (rank {last} takes seed + {last})"
-            raise LabConfigError(f"a seed is an integer from 0 to {most}, got {value!r}")
+        check_seed(value, same, self.world_size)
         return self.session.run(entry.seed, value, same)
 
     # -- control of running work ----------------------------------------------
@@ -366,9 +361,7 @@ class Lab:
         A damaged checkpoint is refused, naming the file, before the ranks drop what they hold."""
         from labkit.runs.checkpoints import load
 
-        config = load(self.session, path, self.session.limit(timeout), mesh=mesh, **settings)
-        print(f"loaded step {self.session.last_training.steps_done}: {config.describe()}")
-        return config
+        return load(self.session, path, self.session.limit(timeout), mesh=mesh, **settings)
 
     # -- mesh -------------------------------------------------------------
 
@@ -387,13 +380,11 @@ class Lab:
         self.session.set_mesh(spec)
         return spec
 
-    # -- status -----------------------------------------------------------
+    # -- status and measurements ------------------------------------------
 
     def status(self, timeout: float = 10.0) -> LabStatus:
         """Every rank: process, liveness, device, process group generation, coordinate."""
         return collect_status(self.session, timeout)
-
-    # -- collective benchmark ---------------------------------------------
 
     def bench_collective(self, operation: str = "all_reduce", sizes=None, iterations: int | None = None,
                          warmup: int = 3, timeout: float | None = None):

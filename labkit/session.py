@@ -34,6 +34,7 @@ from labkit.rank import entry
 from labkit.runs.dispatch import RankWork, make_output
 from labkit.runs.notebook_process import NotebookProcess
 from labkit.runs.sources import notebook_sources
+from labkit.spec.call_arguments import chosen_ranks
 from labkit.spec.errors import (
     LabBusy,
     LabConfigError,
@@ -201,19 +202,7 @@ class Session:
     def targets(self, ranks) -> list[int]:
         """The ranks ``ranks`` names (None: all, one rank number, or a list of them), checked against the
         world now."""
-        if ranks is None:
-            return list(range(self.world_size))
-        given = [ranks] if isinstance(ranks, int) and not isinstance(ranks, bool) else ranks
-        try:
-            given = list(given)
-        except TypeError:
-            given = None
-        wrong = given is None or not given or any(isinstance(rank, bool) or not isinstance(rank, int)
-                                                  or not 0 <= rank < self.world_size for rank in given)
-        if wrong:
-            raise LabConfigError(f"ranks is a rank number or a list of them, each from 0 to {self.world_size - 1}, "
-                                 f"got {ranks!r}")
-        return sorted(set(given))
+        return chosen_ranks(ranks, self.world_size)
 
     def begin(self, ranks, work_entry, args, limit: float, output, on_tick=None, on_interrupt=None) -> RankWork:
         """Start ``work_entry(*args, limit)`` on ``ranks``; the caller waits and checks ``failure``."""

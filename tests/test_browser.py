@@ -6,7 +6,10 @@ that the live dashboard appears and changes while training runs, and saves a
 screenshot to ``tests/artifacts/dashboard.png``. The second runs a small notebook
 of its own: a foreground dashboard run and a short one under ``--dashboard``;
 each must leave one picture (the widget replaced, not followed by a copy), no
-progress lines in the cell, and a run whose shown state is its final one.
+progress lines in the cell, and a run whose shown state is its final one. The
+third clicks Stop on a foreground dashboard run while its cell blocks: the run
+ends early, with its report, and the next cell uses the lab (on a kernel that
+jupyter-ui-poll can poll; elsewhere there is no button and it is skipped, saying why).
 Without Chromium or Playwright they are skipped with the reason; ``.ci/run``
 installs both.
 """
@@ -51,11 +54,17 @@ def jupyterlab(tmp_path_factory):
     pytest.importorskip("playwright.sync_api", reason="the playwright package is not installed")
     root = tmp_path_factory.mktemp("lab")
     shutil.copy(ROOT / "notebooks" / "05_instruments.ipynb", root / "instruments.ipynb")
+    # Every cell rendered: JupyterLab's default windowing hides cells scrolled far out of view
+    # (long dashboard outputs), and a hidden cell's output cannot be read or scrolled to.
+    settings = root / "settings" / "@jupyterlab" / "notebook-extension"
+    settings.mkdir(parents=True)
+    (settings / "tracker.jupyterlab-settings").write_text('{"windowingMode": "none"}')
     port, token = _free_port(), "labkit-browser-test"
     command = [
         sys.executable, "-m", "jupyter", "lab", "--no-browser", f"--ServerApp.port={port}",
         "--ServerApp.ip=127.0.0.1", f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}",
         "--ServerApp.allow_root=True", "--LabApp.news_url=", "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+        f"--LabApp.user_settings_dir={root / 'settings'}", f"--LabApp.workspaces_dir={root / 'workspaces'}",
     ]
     log = open(root / "jupyterlab.log", "w")
     server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=root, start_new_session=True)
@@ -70,7 +79,9 @@ def jupyterlab(tmp_path_factory):
                 server.kill()
                 pytest.fail(f"JupyterLab did not start; its log:\n{(root / 'jupyterlab.log').read_text()[-3000:]}")
             time.sleep(0.5)
-    yield lambda notebook: f"{base}/lab/tree/{notebook}?token={token}", root
+    # ``reset``: each page starts with a clean workspace, not with the notebooks an earlier test opened
+    # (their cells would be in the page too, hidden in background tabs).
+    yield lambda notebook: f"{base}/lab/tree/{notebook}?reset&token={token}", root
     server.terminate()
     try:
         server.wait(20)
@@ -194,6 +205,59 @@ def test_a_dashboard_is_shown_once_without_progress_lines_and_its_run_shows_how_
             assert "foreground done" in foreground.locator(".jp-OutputArea").inner_text()
             shown = background.locator(".jp-OutputArea").inner_text()
             assert "starting" not in shown and "done: 5 steps" in shown, shown
+            assert page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']").filter(
+                has_text="Traceback").count() == 0
+        finally:
+            browser.close()
+
+
+FOREGROUND_STOP_CELLS = [
+    "%load_ext labkit\n%lab start 2 --backend gloo --threads 1",
+    'report = lab.train("ddp", "mlp", steps=2000, dashboard=True)\n'
+    'print(f"stopped early: {report.stopped_early}; steps done: {report.steps_done}")',
+    'print("next cell:", lab.train("ddp", "mlp", steps=3).steps_done, "steps")',
+    "%lab stop",
+]
+
+
+def test_the_stop_button_stops_a_foreground_dashboard_run(jupyterlab):
+    """The cell blocks while the run trains; a click on Stop still ends it at a step boundary."""
+    from playwright.sync_api import sync_playwright
+
+    from labkit.runs.training_run import pollable_kernel
+
+    if not pollable_kernel():  # the kernel runs in this interpreter, with the same ipykernel
+        pytest.skip("jupyter-ui-poll hands widget messages to a blocked cell on ipykernel 6 only: on this "
+                    "ipykernel a foreground run offers no Stop button")
+
+    url, root = jupyterlab
+    (root / "foreground_stop.ipynb").write_text(json.dumps(_notebook(FOREGROUND_STOP_CELLS)))
+    ARTIFACTS.mkdir(exist_ok=True)
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page.goto(url("foreground_stop.ipynb"))
+            training = page.locator(".jp-Notebook .jp-CodeCell").nth(1)
+            try:
+                _run_all_cells(page)
+                # The first steps are on the dashboard: the run is well under way, the cell still blocks.
+                training.locator(".widget-html-content").filter(has_text=": step ").first.wait_for(
+                    state="attached", timeout=180_000)
+                stop = training.locator("button:has-text('Stop')")
+                stop.wait_for(state="visible", timeout=10_000)
+                stop.click()
+                page.wait_for_selector("text=lab stopped: no rank, controller or port left", state="attached",
+                                       timeout=300_000)
+            except Exception:
+                page.screenshot(path=str(ARTIFACTS / "foreground_stop_failure.png"))
+                raise
+            said = training.locator(".jp-OutputArea").inner_text()
+            assert "stopped early: True" in said, said
+            steps_done = int(said.split("steps done: ")[1].split()[0])
+            assert 0 < steps_done < 1000, f"the run should stop soon after the click, not at step {steps_done}"
+            after = page.locator(".jp-Notebook .jp-CodeCell").nth(2).locator(".jp-OutputArea").inner_text()
+            assert "next cell: 3 steps" in after, "the lab is usable in the next cell"
             assert page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']").filter(
                 has_text="Traceback").count() == 0
         finally:

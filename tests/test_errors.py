@@ -109,7 +109,8 @@ def test_ranks_that_died_the_same_way_are_explained_once_and_their_peers_are_con
         3: _error("raised", "RuntimeError", "Connection closed by peer [127.0.0.1]:4444"),
     }
     failure = RankFailure(reports)
-    assert failure.summary() == "ranks 1, 2 died (process exited); ranks 0, 3 failed in a collective as a consequence of ranks 1, 2"
+    assert failure.summary() == ("ranks 1, 2 died (process exited); ranks 0, 3 failed in a collective as a "
+                                 "consequence of ranks 1, 2")
     details = failure.details()
     assert details.count("out-of-memory killer") == 1
     assert f"--- ranks 1, 2 (died) ---\n{KILLED}" in details

@@ -72,8 +72,10 @@ def test_only_directories_of_dead_owners_are_removed(tmp_path):
     (dict(ranks=2, start_timeout=float("nan")), "start_timeout must be a positive"),
     (dict(ranks=2, interrupt_grace=-1), "interrupt_grace must be a positive"),
     (dict(ranks=2, timeout=True), "timeout must be a positive"),
-    (dict(ranks=2, threads_per_rank=10**6), r"threads_per_rank must be a whole number from 1 to \d+ \(this machine's cores"),
-    (dict(ranks=2, threads_per_rank=10**6, oversubscribe=True), "threads_per_rank must be a whole number from 1 to 1024"),
+    (dict(ranks=2, threads_per_rank=10**6),
+     r"threads_per_rank must be a whole number from 1 to \d+ \(this machine's cores"),
+    (dict(ranks=2, threads_per_rank=10**6, oversubscribe=True),
+     "threads_per_rank must be a whole number from 1 to 1024"),
     (dict(ranks=2, threads_per_rank=True), "threads_per_rank must be a whole number"),
     (dict(ranks=10**9, oversubscribe=True), "ranks must be a whole number >= 0 and at most 1024 on this machine"),
     (dict(ranks=-1), "ranks must be a whole number >= 0 and at most"),
@@ -97,7 +99,7 @@ def test_absurd_call_settings_are_refused_before_anything_runs():
             lab.timeout = absurd
     assert lab.timeout == 300
     for ranks in ([2], [True], [0.5], ["1"], [], 7, "0"):
-        with pytest.raises(ValueError, match=r"ranks is a rank number or a list of them, each from 0 to 1"):
+        with pytest.raises(ValueError, match=r"ranks is a rank number or a list of them, each between 0 and 1"):
             lab.run_cell("1", ranks=ranks)
     # Every rank takes seed + rank: the last rank's seed must still be in range.
     with pytest.raises(ValueError, match=r"a seed is an integer from 0 to 2\*\*63 - 2 \(rank 1 takes seed \+ 1\)"):

@@ -76,12 +76,17 @@ def test_a_burst_of_work_restarts_the_quiet_spell():
 
 @pytest.mark.lab
 def test_start_leaves_warm_imports_for_later_and_a_replaced_rank_gets_them():
+    """Also: the engines of a start are numbered as their ranks."""
     lab = Lab(ranks=2, backend="gloo", threads_per_rank=1, timeout=60).start()
     try:
         probe = "import sys\n(sorted(m for m in {!r} if m in sys.modules), 'torch.distributed.tensor' in sys.modules)"
         # The ranks formed their group without importing DTensor (nothing of it was cached to clear)
         # and were forked before the host's warm imports.
         assert lab.run_cell(probe.format(WARM_MODULES), live=False) == [repr(([], False))] * 2
+        # Engines started together ask for their rank as engine id: status reads alike in both columns.
+        assert lab.cluster.engine_of == {0: 0, 1: 1}
+        rows = [line.split() for line in str(lab.status()).splitlines()[2:]]
+        assert [(row[0], row[4]) for row in rows] == [("0", "0"), ("1", "1")]
         lab.cluster.host.warmed.result(30)  # the idle lab lets the host warm up
         lab.kill(1)
         lab.heal()

@@ -148,8 +148,7 @@ class RankCluster:
         self.phases.append((what, time.monotonic()))
 
     def warm_host(self) -> None:
-        """Once the lab is ready: the host imports what later ranks need, while the ranks are idle, so
-        a rank that replaces one starts warm (not before: those imports would slow the start)."""
+        """Once the lab is ready (not before: it would slow the start), warm the host for replacements."""
         if self.host is not None:
             self.host.warm()
 
@@ -175,10 +174,12 @@ class RankCluster:
         assert self.cluster is not None
         if self.launcher.hosted:
             for rank in ranks:
+                # Started together, engines are numbered as their ranks; a replacement takes a fresh id.
+                asked_id = [f"--IPEngine.id={rank}"] if together else []
                 self.cluster.start_engines_sync(
                     n=1, engine_set_id=f"rank{rank}", host=self.host, spawn_timeout=self._left(deadline),
-                    environment=self.plan.launch_environment(rank, f"rank{rank}"), engine_args=self._engine_args(),
-                    output_file=self.log_path(rank))
+                    environment=self.plan.launch_environment(rank, f"rank{rank}"),
+                    engine_args=[*self._engine_args(), *asked_id], output_file=self.log_path(rank))
             return
         for group in [ranks] if together else [[rank] for rank in ranks]:
             self.sets_started += 1

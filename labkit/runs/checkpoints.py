@@ -92,8 +92,10 @@ def _normalised(settings: dict) -> dict:
                                            for key, value in model_settings.items()}}
 
 
-def load(session, path: str, timeout: float, mesh: dict | None = None, **overrides) -> TrainConfig:
-    """Load the checkpoint at ``path`` into the ranks (resharded to them); return the run's config."""
+def load(session, path: str, timeout: float, mesh: dict | None = None, say: bool = True, **overrides) -> TrainConfig:
+    """Load the checkpoint at ``path`` into the ranks (resharded to them); return the run's config.
+
+    ``say``: print which step was loaded (a heal says it in its own words)."""
     directory = find_checkpoint(path)
     meta = read_meta(directory)
     check_files(directory, meta)
@@ -123,4 +125,6 @@ def load(session, path: str, timeout: float, mesh: dict | None = None, **overrid
     session.execute(None, entry.load_checkpoint,
                     (config, directory, meta["step"], same_world), timeout)
     session.remember_training(config, meta["step"])
+    if say:
+        print(f"loaded step {meta['step']}: {config.describe()}")
     return config

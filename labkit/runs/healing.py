@@ -51,7 +51,7 @@ def continuation(session, config: TrainConfig, target_step: int, timeout: float)
     directory = find_checkpoint(config.checkpoint_dir)
     step = read_meta(directory)["step"]
     loaded = load(session, directory, timeout, mesh=dict(zip(config.mesh_names, config.mesh_shape)),
-                  strategy=config.strategy)
+                  say=False, strategy=config.strategy)
     if target_step <= step:
         raise LabConfigError(f"the newest checkpoint ({directory}) is already at step {step}: nothing is left to train")
     # The original run's settings (how it is watched and kept included), from the checkpoint on.

@@ -34,122 +34,14 @@ from __future__ import annotations
 import pickle
 import signal
 import time
-from dataclasses import dataclass, field
 
 from labkit.rank import entry
 from labkit.runs.sources import notebook_sources
+from labkit.runs.task_results import LOST, TaskFailed, TaskRecord, TaskResults, on_rank
 from labkit.spec.errors import LabConfigError, LabError, format_ranks
 from labkit.views.task_board import TaskBoard
 
 POLL_SECONDS = 0.05
-
-
-class TaskFailed(LabError):
-    """Some tasks raised; ``results`` holds every task's outcome, the finished ones included."""
-
-    def __init__(self, message: str, results: "TaskResults") -> None:
-        super().__init__(message)
-        self.results = results
-
-
-@dataclass
-class TaskRecord:
-    """One item's life in the queue."""
-
-    index: int
-    attempts: int = 0
-    rank: int | None = None  # where it ran last (or runs now)
-    started: float | None = None  # monotonic time its current attempt began running
-    seconds: float | None = None  # how long the attempt that finished took on its rank
-    state: str = "pending"  # pending, running, done, failed, cancelled
-    value: object = None
-    error: dict | None = None
-    output: str = ""
-
-
-@dataclass
-class TaskResults:
-    """What ``lab.tasks`` returns: values in item order, and how the work was shared."""
-
-    records: list[TaskRecord]
-    events: list[str] = field(default_factory=list)  # requeues and replacements, in order
-    makespan: float = 0.0
-    interrupted: bool = False
-
-    @property
-    def values(self) -> list:
-        return [record.value for record in self.records]
-
-    @property
-    def done(self) -> int:
-        return sum(record.state == "done" for record in self.records)
-
-    @property
-    def requeued(self) -> int:
-        return sum(max(record.attempts - 1, 0) for record in self.records)
-
-    def per_rank(self) -> dict[int, int]:
-        """Tasks finished by each rank."""
-        counts: dict[int, int] = {}
-        for record in self.records:
-            if record.state == "done":
-                counts[record.rank] = counts.get(record.rank, 0) + 1
-        return dict(sorted(counts.items()))
-
-    def __len__(self) -> int:
-        return len(self.records)
-
-    def __getitem__(self, index):
-        return self.values[index]
-
-    def __iter__(self):
-        return iter(self.values)
-
-    def failures(self, why: str) -> list[TaskRecord]:
-        """The failed tasks that ``why`` says: "raised", "lost" (their rank was lost more often than
-        retries allow: a task that kills its rank) or "timed out"."""
-        return [record for record in self.records if record.state == "failed" and _failure(record) == why]
-
-    def summary(self) -> str:
-        shares = ", ".join(f"rank {rank}: {count}" for rank, count in self.per_rank().items()) or "none"
-        lines = [f"{self.done}/{len(self.records)} tasks done in {self.makespan:.2f} s; done by {shares}"]
-        if self.requeued:
-            lines.append(f"{self.requeued} task(s) requeued after their rank was lost")
-        # A task that raised, one whose rank kept dying under it and one past its time are told apart:
-        # only the first is an error of the task's own code.
-        for why, said in (("raised", "raised"), ("timed out", "did not finish in time and were stopped"),
-                          ("lost", "lost their rank on every try and were not requeued again (a task that ends its own "
-                                   "process does this)")):
-            failed = self.failures(why)
-            if failed:
-                lines.append(f"{len(failed)} task(s) {said}: {_tasks_and_ranks(failed)}")
-        if self.interrupted:
-            lines.append("interrupted: waiting tasks were withdrawn")
-        return "\n".join(lines + self.events)
-
-    def __repr__(self) -> str:
-        return f"<TaskResults {self.summary().splitlines()[0]}>"
-
-
-LOST = "LostRank"  # the error type of a task whose rank was lost more often than retries allow
-
-
-def _failure(record: TaskRecord) -> str:
-    kind = (record.error or {}).get("type")
-    if kind == LOST:
-        return "lost"
-    if kind == "TimeoutError" and (record.error or {}).get("traceback") == "":
-        return "timed out"  # stopped by the queue (a task's own TimeoutError has its traceback)
-    return "raised"
-
-
-def _on_rank(record: TaskRecord) -> str:
-    return f"on rank {record.rank}" if record.rank is not None else "on a rank lost before it was seen starting"
-
-
-def _tasks_and_ranks(records: list[TaskRecord]) -> str:
-    shown = ", ".join(f"task {record.index} {_on_rank(record)}" for record in records[:5])
-    return shown + (f" and {len(records) - 5} more" if len(records) > 5 else "")
 
 
 def _check(fn, items, retries) -> list:
@@ -398,5 +290,5 @@ def run_tasks(session, fn, items, timeout: float | None = None, retries: int | N
         first = failed[0]
         detail = first.error.get("traceback") or f"{first.error['type']}: {first.error['message']}"
         raise TaskFailed(f"{len(failed)} of {len(results)} tasks failed (the others' results are in "
-                         f"error.results); task {first.index} {_on_rank(first)}:\n{detail}", results)
+                         f"error.results); task {first.index} {on_rank(first)}:\n{detail}", results)
     return results

@@ -9,6 +9,12 @@ the ``TrainReport``. Stopping never interrupts a collective: it asks the ranks,
 through the lab's control file, to finish the step they are in; they agree on
 the step to stop after and return what they did. Interrupting the kernel while
 a run blocks does the same first, and only then interrupts.
+
+A foreground run under a dashboard blocks its cell, and the kernel handles a
+widget click only after the cell ends. Where jupyter-ui-poll can hand widget
+messages over while a cell blocks, the wait does so between two looks at the
+ranks, and the Stop button works there too; elsewhere the status line says to
+interrupt the kernel instead.
 """
 
 from __future__ import annotations
@@ -22,12 +28,15 @@ from labkit.runs.healing import Interrupted, continuation, has_checkpoint
 from labkit.runs.budget import enforce_budget
 from labkit.spec.errors import LabConfigError, LabError
 from labkit.views.metrics import DEFAULT_THRESHOLD, MetricsTable
+from labkit.views.rank_output import in_kernel
 from labkit.views.stragglers import check_threshold
 from labkit.spec.train_config import TrainConfig, resolve, resume_differences, user_settings
 from labkit.strategies.catalog import role_of
 from labkit.views.train_report import TrainReport
 
 STOP_GRACE_SECONDS = 15.0
+UI_EVENTS_PER_TICK = 10  # widget messages handled between two looks at the ranks (a click is one)
+STOP_HINT = "interrupt the kernel (■) to stop at a step boundary"
 
 
 class TrainingRun:
@@ -47,11 +56,15 @@ class TrainingRun:
         self.target_step = config.first_step + config.steps
         self.table = MetricsTable(session.world_size, config.global_batch, peers, threshold=straggler_threshold)
         self.dashboard = None
+        # A foreground run blocks its cell: its Stop button works only if widget messages are handled meanwhile.
+        self._ui_events = notebook_ui_events() if dashboard and not background else None
+        self._ui_poll = None  # while a foreground wait handles widget messages: the function that does it
         if dashboard:
             from labkit.views.dashboard import Dashboard  # matplotlib and ipywidgets load with the first one
 
-            self.dashboard = Dashboard(self.table, config.describe(), on_stop=self.stop if background else None,
-                                       planned_steps=self.target_step)
+            stoppable = background or self._ui_events is not None
+            self.dashboard = Dashboard(self.table, config.describe(), on_stop=self.stop if stoppable else None,
+                                       planned_steps=self.target_step, hint="" if stoppable else STOP_HINT)
         self.report: TrainReport | None = None
         self.error: BaseException | None = None
         self._done = threading.Event()
@@ -69,8 +82,22 @@ class TrainingRun:
         if self.background:
             threading.Thread(target=self._finish, name="labkit-training-run", daemon=True).start()
         else:
-            self._finish()
+            self._wait_here()
         return self
+
+    def _wait_here(self) -> None:
+        """The foreground wait; with a Stop button, handling widget messages between ticks."""
+        if self._ui_events is None:
+            self._finish()
+            return
+        # One poller for the whole wait: cells queued meanwhile are held by it and run, in order, once
+        # this cell ends; each widget message is handled once, by whichever poll reads it.
+        with self._ui_events() as poll:
+            self._ui_poll = poll
+            try:
+                self._finish()
+            finally:
+                self._ui_poll = None
 
     def _begin(self) -> None:
         ranks = list(range(self.session.world_size))
@@ -95,6 +122,9 @@ class TrainingRun:
         if self.dashboard is not None:
             self.dashboard.set_progress(_newest_line(getattr(work, "output", None)))
             self.dashboard.update()
+        if self._ui_poll is not None:
+            # Here, on the waiting thread after the redraw, a click never lands in the middle of one.
+            self._ui_poll(UI_EVENTS_PER_TICK)
 
     def _wind_down(self) -> float:
         try:
@@ -230,6 +260,31 @@ class TrainingRun:
             self._displays.append(handle)
             if self._done.is_set():  # it ended while the display was being made
                 handle.update({"text/plain": repr(self)}, raw=True)
+
+
+def notebook_ui_events():
+    """jupyter-ui-poll's ``ui_events`` where a blocked cell can handle widget messages with it; else None.
+
+    Outside a Jupyter kernel (a script, a test, a terminal IPython) there are no widget messages: the run waits
+    as before. jupyter-ui-poll reads them on ipykernel 6 only; ipykernel 7 receives shell messages on a thread
+    of its own, where the poll finds none and a Stop button would do nothing, so it is not offered there.
+    """
+    if not in_kernel():
+        return None
+    try:
+        from jupyter_ui_poll import ui_events
+    except ImportError:
+        return None
+    return ui_events if pollable_kernel() else None
+
+
+def pollable_kernel() -> bool:
+    """Whether jupyter-ui-poll reaches this kernel's widget messages: ipykernel 6 (see above)."""
+    try:
+        from ipykernel import version_info
+    except ImportError:
+        return False
+    return version_info[0] < 7
 
 
 def _newest_line(output) -> str:

@@ -64,7 +64,9 @@ class Dashboard:
     """Draws a ``MetricsTable``; the Stop button stops the run at a step boundary."""
 
     def __init__(self, table: MetricsTable, title: str, on_stop=None, max_rate: float = 3.0,
-                 planned_steps: int | None = None, smoothing: int = DEFAULT_SMOOTHING) -> None:
+                 planned_steps: int | None = None, smoothing: int = DEFAULT_SMOOTHING, hint: str = "") -> None:
+        """``on_stop``: what the Stop button calls (None: no button); ``hint``: a standing note on the status
+        line (how to stop a run that has no button)."""
         self.table = table
         # A known length lets a short run be shown whole and a long one's axis end at its last step.
         self.planned_steps = planned_steps if planned_steps and planned_steps > 0 else None
@@ -77,12 +79,13 @@ class Dashboard:
         self.failures: list[tuple] = []  # (ranks, step, what) marked on the axes
         self.flags = FlagHistory()
         self.progress = ""  # the newest line a rank printed
+        self.hint = hint
         self.final_picture: bytes | None = None
         self.picture = DashboardFigure(table.ranks(), title, self.planned_steps, smoothing)
         self.figure = self.picture.figure
         width, height = self.picture.display_size
         self.header = widgets.HTML(value=f"<b>{html.escape(title)}</b>: starting")
-        self.status_line = widgets.HTML(value="", layout=widgets.Layout(min_height="1.4em"))
+        self.status_line = widgets.HTML(value=self._status_line(), layout=widgets.Layout(min_height="1.4em"))
         self.image = widgets.Image(format="jpeg", layout=widgets.Layout(width=f"{width}px", max_width="100%"))
         self.stop_button = widgets.Button(description="Stop", button_style="danger", icon="stop",
                                           tooltip="stop the run after the step it is in")
@@ -90,7 +93,8 @@ class Dashboard:
         if on_stop:
             self.stop_button.on_click(lambda _: self._stop(on_stop))
         self.smoothing_box = widgets.BoundedIntText(value=smoothing, min=1, max=WINDOW_STEPS,
-                                                    description="mean of", layout=widgets.Layout(width="140px"),
+                                                    description="| throughput line: mean of",
+                                                    layout=widgets.Layout(width="260px"),
                                                     style={"description_width": "initial"})
         self.smoothing_box.observe(lambda change: self.set_smoothing(change["new"]), names="value")
         self.widget = widgets.VBox([
@@ -137,7 +141,13 @@ class Dashboard:
         """The newest line a rank printed (``[rank 0] step 40/200 ...``), shown under the header."""
         if line and line != self.progress:
             self.progress = line
-            self.status_line.value = f"<code>{html.escape(line)}</code>"
+            self.status_line.value = self._status_line()
+
+    def _status_line(self) -> str:
+        parts = [f"<code>{html.escape(self.progress)}</code>"] if self.progress else []
+        if self.hint:
+            parts.append(f"<i>{html.escape(self.hint)}</i>")
+        return " &middot; ".join(parts)
 
     def update(self, force: bool = False, status: str | None = None) -> bool:
         """Redraw if due (or ``force``); return whether it drew."""

@@ -227,22 +227,20 @@ class DashboardFigure:
         rank, step, delay = event
         self._marked_events.add(event)
         text = f"rank {rank} +{delay * 1000:.0f} ms" if delay else f"rank {rank} back to normal"
+        self._mark_step(step, text, SLOWDOWN, 1.5)
+
+    def mark_failure(self, ranks, step: int, what: str) -> None:
+        self._mark_step(step, f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} {what}", FAILURE, 2)
+
+    def _mark_step(self, step: int, text: str, color: str, width: float) -> None:
+        """A vertical line at ``step`` on the step panels, labelled along it in a box above the data."""
         # In data coordinates: when the step window moves, the marks move with it.
         for ax in (self.throughput, self.loss):
-            ax.axvline(step, color=SLOWDOWN, linewidth=1.5, zorder=3)
+            ax.axvline(step, color=color, linewidth=width, zorder=3)
         # Clipped explicitly: with mixed coordinates matplotlib would draw the label
         # of a step scrolled out of view beside the axes, over the neighbouring panel.
         self.throughput.annotate(text, (step, 0.97), xycoords=("data", "axes fraction"), rotation=90,
-                                 fontsize=TICK_POINTS, va="top", ha="right", color=SLOWDOWN, bbox=LABEL_BOX,
-                                 annotation_clip=True, zorder=4)
-        self._background = None
-
-    def mark_failure(self, ranks, step: int, what: str) -> None:
-        text = f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} {what}"
-        for ax in (self.throughput, self.loss):
-            ax.axvline(step, color=FAILURE, linewidth=2, zorder=3)
-        self.throughput.annotate(text, (step, 0.97), xycoords=("data", "axes fraction"), rotation=90,
-                                 fontsize=TICK_POINTS, va="top", ha="right", color=FAILURE, bbox=LABEL_BOX,
+                                 fontsize=TICK_POINTS, va="top", ha="right", color=color, bbox=LABEL_BOX,
                                  annotation_clip=True, zorder=4)
         self._background = None
 
