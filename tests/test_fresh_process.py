@@ -36,9 +36,10 @@ def lab():
 
 
 def printed(text: str, mode: str) -> dict[int, object]:
-    """{rank: value} of the lines ``[rank r] MODE {json}`` (or ``MODE {json}`` in rank order, under torchrun)."""
-    found = re.findall(rf"^(?:\[rank (\d+)\] )?{mode} (.*)$", text, re.MULTILINE)
-    return {int(rank) if rank else index: json.loads(value) for index, (rank, value) in enumerate(found)}
+    """{rank: value} of the lines ``MODE@RANK {json}`` (labelled ``[rank r]`` in the lab, in any order under
+    torchrun)."""
+    found = re.findall(rf"^(?:\[rank \d+\] )?{mode}@(\d+) (.*)$", text, re.MULTILINE)
+    return {int(rank): json.loads(value) for rank, value in found}
 
 
 def under_torchrun(*args: str, env: dict | None = None) -> str:

@@ -1,7 +1,7 @@
 """What a script finds of a fresh torchrun process: its classes pickle, its random state, its groups, its environment.
 
 ``python -m torch.distributed.run --standalone --nproc_per_node 2 fresh_process.py MODE [FOLDER]``, or
-``lab.run_script`` with the same arguments. Each mode prints one line per rank, ``MODE {json}``.
+``lab.run_script`` with the same arguments. Each mode prints one line per rank, ``MODE@RANK {json}``.
 """
 import json
 import os
@@ -31,7 +31,11 @@ class Net(torch.nn.Module):
 
 
 def say(mode, value):
-    print(f"{mode} {json.dumps(value)}", flush=True)
+    """``MODE@RANK {json}``: under torchrun the workers' lines come in any order, unlabelled."""
+    # One write of the whole line: both workers share one stdout, and print() writes the text and its
+    # newline apart, so another worker's line could land between them.
+    sys.stdout.write(f"{mode}@{dist.get_rank()} {json.dumps(value)}\n")
+    sys.stdout.flush()
 
 
 def main():
