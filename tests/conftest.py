@@ -1,5 +1,6 @@
 """Shared fixtures: one real 4-rank lab for the integration tests of a module."""
 
+import contextlib
 import time
 
 import psutil
@@ -8,14 +9,22 @@ import pytest
 from labkit import Lab
 
 
-@pytest.fixture(scope="module")
-def lab():
-    # Short limits keep failure tests quick; each test may pass its own timeout.
-    running = Lab(ranks=4, backend="gloo", threads_per_rank=1, timeout=30, interrupt_grace=3).start()
+@contextlib.contextmanager
+def started_lab(ranks: int, timeout: float = 30, interrupt_grace: float = 3):
+    """A started gloo lab of ``ranks`` (one thread each) that, when the block ends, stops leaving nothing."""
+    running = Lab(ranks=ranks, backend="gloo", threads_per_rank=1, timeout=timeout,
+                  interrupt_grace=interrupt_grace).start()
     try:
         yield running
     finally:
         stop_leaving_nothing(running)
+
+
+@pytest.fixture(scope="module")
+def lab():
+    # Short limits keep failure tests quick; each test may pass its own timeout.
+    with started_lab(4) as running:
+        yield running
 
 
 def stop_leaving_nothing(lab) -> None:

@@ -14,6 +14,7 @@ Without Chromium or Playwright they are skipped with the reason; ``.ci/run``
 installs both.
 """
 
+import contextlib
 import json
 import os
 import shutil
@@ -115,46 +116,53 @@ def _run_all_cells(page) -> None:
     raise AssertionError("JupyterLab never started running the notebook")
 
 
-def _dashboard_pictures(page) -> list[str]:
-    return page.eval_on_selector_all("img.widget-image", "images => images.map(image => image.src)")
-
-
-def test_dashboard_renders_and_changes_while_training(jupyterlab):
+@contextlib.contextmanager
+def _notebook_page(url, notebook: str):
+    """A headless Chromium page on ``notebook`` in the test's JupyterLab; the browser closes after."""
     from playwright.sync_api import sync_playwright
-
-    url, _ = jupyterlab
 
     ARTIFACTS.mkdir(exist_ok=True)
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
         try:
             page = browser.new_page(viewport={"width": 1400, "height": 1000})
-            page.goto(url("instruments.ipynb"))
-            try:
-                _run_all_cells(page)
-                # Attached, not visible: JupyterLab may keep cells outside the view unpainted.
-                page.wait_for_selector("img.widget-image", state="attached", timeout=180_000)
-            except Exception:
-                page.screenshot(path=str(ARTIFACTS / "failure.png"))
-                raise
-            page.locator("img.widget-image").first.scroll_into_view_if_needed()
-            seen = set()
-            deadline = time.monotonic() + 60
-            while len(seen) < 3 and time.monotonic() < deadline:
-                seen.update(_dashboard_pictures(page))
-                time.sleep(0.3)
-            assert len(seen) >= 3, "the dashboard picture must change while the run trains"
-            page.locator("img.widget-image").first.scroll_into_view_if_needed()
-            header = page.locator(".widget-html-content").filter(has_text="under ddp").first.text_content()
-            assert "step" in header or "waiting" in header
-            page.screenshot(path=str(ARTIFACTS / "dashboard.png"), full_page=False)
-            # The notebook goes on to the timelines and stops the lab: let it, so no rank is left.
-            page.wait_for_selector("text=lab stopped: no rank, controller or port left", state="attached",
-                                   timeout=300_000)
-            assert page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']").filter(
-                has_text="Traceback").count() == 0
+            page.goto(url(notebook))
+            yield page
         finally:
             browser.close()
+
+
+def _dashboard_pictures(page) -> list[str]:
+    return page.eval_on_selector_all("img.widget-image", "images => images.map(image => image.src)")
+
+
+def test_dashboard_renders_and_changes_while_training(jupyterlab):
+    url, _ = jupyterlab
+
+    with _notebook_page(url, "instruments.ipynb") as page:
+        try:
+            _run_all_cells(page)
+            # Attached, not visible: JupyterLab may keep cells outside the view unpainted.
+            page.wait_for_selector("img.widget-image", state="attached", timeout=180_000)
+        except Exception:
+            page.screenshot(path=str(ARTIFACTS / "failure.png"))
+            raise
+        page.locator("img.widget-image").first.scroll_into_view_if_needed()
+        seen = set()
+        deadline = time.monotonic() + 60
+        while len(seen) < 3 and time.monotonic() < deadline:
+            seen.update(_dashboard_pictures(page))
+            time.sleep(0.3)
+        assert len(seen) >= 3, "the dashboard picture must change while the run trains"
+        page.locator("img.widget-image").first.scroll_into_view_if_needed()
+        header = page.locator(".widget-html-content").filter(has_text="under ddp").first.text_content()
+        assert "step" in header or "waiting" in header
+        page.screenshot(path=str(ARTIFACTS / "dashboard.png"), full_page=False)
+        # The notebook goes on to the timelines and stops the lab: let it, so no rank is left.
+        page.wait_for_selector("text=lab stopped: no rank, controller or port left", state="attached",
+                               timeout=300_000)
+        assert page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']").filter(
+            has_text="Traceback").count() == 0
 
 
 SHOWN_ONCE_CELLS = [
@@ -175,40 +183,31 @@ def _notebook(cells: list[str]) -> dict:
 
 
 def test_a_dashboard_is_shown_once_without_progress_lines_and_its_run_shows_how_it_ended(jupyterlab):
-    from playwright.sync_api import sync_playwright
-
     url, root = jupyterlab
     (root / "shown_once.ipynb").write_text(json.dumps(_notebook(SHOWN_ONCE_CELLS)))
-    ARTIFACTS.mkdir(exist_ok=True)
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+    with _notebook_page(url, "shown_once.ipynb") as page:
         try:
-            page = browser.new_page(viewport={"width": 1400, "height": 1000})
-            page.goto(url("shown_once.ipynb"))
-            try:
-                _run_all_cells(page)
-                page.wait_for_selector("text=lab stopped: no rank, controller or port left", state="attached",
-                                       timeout=400_000)
-            except Exception:
-                page.screenshot(path=str(ARTIFACTS / "shown_once_failure.png"))
-                raise
-            cells = page.locator(".jp-Notebook .jp-CodeCell")
-            foreground, background = cells.nth(1), cells.nth(2)
-            foreground.scroll_into_view_if_needed()
-            page.screenshot(path=str(ARTIFACTS / "dashboard_final.png"), full_page=False)
-            for cell in (foreground, background):
-                output = cell.locator(".jp-OutputArea")
-                # One picture: the live widget was replaced by the final one, not followed by it.
-                assert output.locator("img").count() == 1
-                assert output.locator("img.widget-image").count() == 0
-                assert "[rank 0] step" not in output.inner_text(), "progress lines stay out of the cell"
-            assert "foreground done" in foreground.locator(".jp-OutputArea").inner_text()
-            shown = background.locator(".jp-OutputArea").inner_text()
-            assert "starting" not in shown and "done: 5 steps" in shown, shown
-            assert page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']").filter(
-                has_text="Traceback").count() == 0
-        finally:
-            browser.close()
+            _run_all_cells(page)
+            page.wait_for_selector("text=lab stopped: no rank, controller or port left", state="attached",
+                                   timeout=400_000)
+        except Exception:
+            page.screenshot(path=str(ARTIFACTS / "shown_once_failure.png"))
+            raise
+        cells = page.locator(".jp-Notebook .jp-CodeCell")
+        foreground, background = cells.nth(1), cells.nth(2)
+        foreground.scroll_into_view_if_needed()
+        page.screenshot(path=str(ARTIFACTS / "dashboard_final.png"), full_page=False)
+        for cell in (foreground, background):
+            output = cell.locator(".jp-OutputArea")
+            # One picture: the live widget was replaced by the final one, not followed by it.
+            assert output.locator("img").count() == 1
+            assert output.locator("img.widget-image").count() == 0
+            assert "[rank 0] step" not in output.inner_text(), "progress lines stay out of the cell"
+        assert "foreground done" in foreground.locator(".jp-OutputArea").inner_text()
+        shown = background.locator(".jp-OutputArea").inner_text()
+        assert "starting" not in shown and "done: 5 steps" in shown, shown
+        assert page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']").filter(
+            has_text="Traceback").count() == 0
 
 
 FOREGROUND_STOP_CELLS = [
@@ -222,8 +221,6 @@ FOREGROUND_STOP_CELLS = [
 
 def test_the_stop_button_stops_a_foreground_dashboard_run(jupyterlab):
     """The cell blocks while the run trains; a click on Stop still ends it at a step boundary."""
-    from playwright.sync_api import sync_playwright
-
     from labkit.runs.training_run import pollable_kernel
 
     if not pollable_kernel():  # the kernel runs in this interpreter, with the same ipykernel
@@ -232,33 +229,26 @@ def test_the_stop_button_stops_a_foreground_dashboard_run(jupyterlab):
 
     url, root = jupyterlab
     (root / "foreground_stop.ipynb").write_text(json.dumps(_notebook(FOREGROUND_STOP_CELLS)))
-    ARTIFACTS.mkdir(exist_ok=True)
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+    with _notebook_page(url, "foreground_stop.ipynb") as page:
+        training = page.locator(".jp-Notebook .jp-CodeCell").nth(1)
         try:
-            page = browser.new_page(viewport={"width": 1400, "height": 1000})
-            page.goto(url("foreground_stop.ipynb"))
-            training = page.locator(".jp-Notebook .jp-CodeCell").nth(1)
-            try:
-                _run_all_cells(page)
-                # The first steps are on the dashboard: the run is well under way, the cell still blocks.
-                training.locator(".widget-html-content").filter(has_text=": step ").first.wait_for(
-                    state="attached", timeout=180_000)
-                stop = training.locator("button:has-text('Stop')")
-                stop.wait_for(state="visible", timeout=10_000)
-                stop.click()
-                page.wait_for_selector("text=lab stopped: no rank, controller or port left", state="attached",
-                                       timeout=300_000)
-            except Exception:
-                page.screenshot(path=str(ARTIFACTS / "foreground_stop_failure.png"))
-                raise
-            said = training.locator(".jp-OutputArea").inner_text()
-            assert "stopped early: True" in said, said
-            steps_done = int(said.split("steps done: ")[1].split()[0])
-            assert 0 < steps_done < 1000, f"the run should stop soon after the click, not at step {steps_done}"
-            after = page.locator(".jp-Notebook .jp-CodeCell").nth(2).locator(".jp-OutputArea").inner_text()
-            assert "next cell: 3 steps" in after, "the lab is usable in the next cell"
-            assert page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']").filter(
-                has_text="Traceback").count() == 0
-        finally:
-            browser.close()
+            _run_all_cells(page)
+            # The first steps are on the dashboard: the run is well under way, the cell still blocks.
+            training.locator(".widget-html-content").filter(has_text=": step ").first.wait_for(
+                state="attached", timeout=180_000)
+            stop = training.locator("button:has-text('Stop')")
+            stop.wait_for(state="visible", timeout=10_000)
+            stop.click()
+            page.wait_for_selector("text=lab stopped: no rank, controller or port left", state="attached",
+                                   timeout=300_000)
+        except Exception:
+            page.screenshot(path=str(ARTIFACTS / "foreground_stop_failure.png"))
+            raise
+        said = training.locator(".jp-OutputArea").inner_text()
+        assert "stopped early: True" in said, said
+        steps_done = int(said.split("steps done: ")[1].split()[0])
+        assert 0 < steps_done < 1000, f"the run should stop soon after the click, not at step {steps_done}"
+        after = page.locator(".jp-Notebook .jp-CodeCell").nth(2).locator(".jp-OutputArea").inner_text()
+        assert "next cell: 3 steps" in after, "the lab is usable in the next cell"
+        assert page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']").filter(
+            has_text="Traceback").count() == 0

@@ -6,20 +6,17 @@ import math
 
 import pytest
 
-from labkit import Lab, LabConfigError
+from labkit import LabConfigError
 
-from .conftest import stop_leaving_nothing
+from .conftest import started_lab
 
 pytestmark = pytest.mark.lab
 
 
 @pytest.fixture(scope="module")
 def three():
-    lab = Lab(ranks=3, backend="gloo", threads_per_rank=1, timeout=60, interrupt_grace=3).start()
-    try:
+    with started_lab(3, timeout=60) as lab:
         yield lab
-    finally:
-        stop_leaving_nothing(lab)
 
 
 @pytest.mark.parametrize("strategy, batch, note", [

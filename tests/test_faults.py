@@ -15,7 +15,7 @@ import pytest
 from labkit import Lab, LabConfigError, LabError, RankFailure
 from labkit.rank.entry import this_rank
 
-from .conftest import stop_leaving_nothing, wait_gone
+from .conftest import started_lab, wait_gone
 
 pytestmark = pytest.mark.lab
 
@@ -23,11 +23,8 @@ pytestmark = pytest.mark.lab
 @pytest.fixture
 def pair():
     """A 2-rank lab; afterwards nothing of it may be left: no process, no listening port."""
-    lab = Lab(ranks=2, backend="gloo", threads_per_rank=1, timeout=30, interrupt_grace=2).start()
-    try:
+    with started_lab(2, interrupt_grace=2) as lab:
         yield lab
-    finally:
-        stop_leaving_nothing(lab)
 
 
 def _sleepers(lab) -> list[int]:
