@@ -15,9 +15,21 @@ On 4 gloo ranks (one thread each), a DDP run of the zoo MLP with a checkpoint ev
                    steps: worker 1 SIGKILLs itself after step 12, torchrun restarts all four,
                    they load the checkpoint; from the kill to their first step after it.
 
+Failed cells (the models of tests/survivor_cells.py: DDP, FSDP2 and tensor parallel, built once):
+
+  typo             ``print(undefined_name)`` on every rank: until the error, and until the next
+                   cell has trained one step of each model (the groups are not touched);
+  one rank raises  rank 1 raises while the others wait in an all-reduce: until the error (the
+                   groups rebuilt in place), and until the next cell has trained a step;
+  deadlock         rank 0 all-reduces alone after the others finished the cell: until the error;
+  soak             ``--soak`` mixed failing cells, each followed by a step of every model; at the
+                   end, whether they equal an uninterrupted run bitwise, and the ranks' growth in
+                   open descriptors and memory over the soak.
+
 Medians over the repeats; ratios from this one run. Writes bench/results/recovery.json.
 Targets: death to error at most 2 s with a collective in flight; heal to resumed at most
-1.5x one rank's start and well under torchrun's restart.
+1.5x one rank's start and well under torchrun's restart; a deadlock named within 2 s;
+the soak bitwise equal, with flat descriptors and memory.
 """
 
 from __future__ import annotations
@@ -34,6 +46,9 @@ from pathlib import Path
 
 from labkit import Lab, RankFailure
 from results_file import write_results
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: tests.survivor_cells
+from tests.survivor_cells import BUILD, COMPARE, FAILURES, TIMEOUTS  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "recovery.json"
 
@@ -128,14 +143,80 @@ def torchrun_round(scratch: str, index: int) -> float:
     return float(times["resumed"]) - float(times["killed"])
 
 
+def _failing(lab: Lab, code: str, limit=None) -> float:
+    """Seconds until the failing cell raised."""
+    began = time.monotonic()
+    try:
+        lab.run_cell(code, timeout=limit)
+    except RankFailure:
+        return time.monotonic() - began
+    raise AssertionError(f"the cell did not fail: {code!r}")
+
+
+def _next_step(lab: Lab) -> float:
+    began = time.monotonic()
+    lab.run_cell("train(models, optimizers, group, STEPS); STEPS += 1")
+    return time.monotonic() - began
+
+
+def cell_round(lab: Lab) -> dict:
+    typo = _failing(lab, FAILURES[0][1])
+    typo_next = _next_step(lab)
+    raised = _failing(lab, FAILURES[1][1])
+    raised_next = _next_step(lab)
+    deadlock = _failing(lab, "if rank == 0:\n    dist.all_reduce(torch.ones(1))")
+    _next_step(lab)
+    return {"typo_to_error": typo, "typo_to_next_step": typo + typo_next, "raised_to_error": raised,
+            "raised_to_next_step": raised + raised_next, "deadlock_to_error": deadlock}
+
+
+def rank_usage() -> tuple[int, int]:
+    """This rank's open file descriptors and resident memory (rank side)."""
+    import gc
+
+    import psutil
+
+    gc.collect()
+    me = psutil.Process()
+    return me.num_fds(), me.memory_info().rss
+
+
+def soak(lab: Lab, failures: int) -> dict:
+    kinds = [(code, None) for _, code, _ in FAILURES] + [(code, limit) for _, code, _, limit in TIMEOUTS]
+    began = time.monotonic()
+    for index in range(failures + len(kinds)):  # the first of each kind warms what torch makes once
+        if index == len(kinds):
+            before, began = lab.run(rank_usage), time.monotonic()
+        code, limit = kinds[index % len(kinds)]
+        _failing(lab, code, limit)
+        _next_step(lab)
+    seconds = time.monotonic() - began
+    after = lab.run(rank_usage)
+    lab.run_cell(COMPARE)
+    same = lab.run(lambda: __import__("IPython").get_ipython().user_ns["same"])
+    return {"failures": failures, "seconds": seconds, "bitwise_equal": all(same),
+            "descriptors_grown": max(a[0] - b[0] for a, b in zip(after, before)),
+            "memory_grown_mb": max(a[1] - b[1] for a, b in zip(after, before)) / 1e6}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--soak", type=int, default=50, help="mixed failing cells in the soak (0: none)")
     options = parser.parse_args()
     scratch = tempfile.mkdtemp(prefix="labkit-bench-recovery-")
-    rounds, starts, torchrun = [], [], []
+    rounds, starts, torchrun, cells = [], [], [], []
+    soaked = None
     try:
         with Lab(ranks=4, backend="gloo", threads_per_rank=1, timeout=60) as lab:
+            lab.run_cell(BUILD)
+            lab.run_cell("models, optimizers, group = build()\nSTEPS = 0")
+            for index in range(options.repeats):
+                cells.append(cell_round(lab))
+                print(f"cells {index + 1}: " + ", ".join(f"{k} {v:.2f} s" for k, v in cells[-1].items()), flush=True)
+            if options.soak:
+                soaked = soak(lab, options.soak)
+                print(f"soak: {soaked}", flush=True)
             lab.train("ddp", "mlp", steps=2, log_every=1000)  # warm
             for index in range(options.repeats):
                 rounds.append(lab_round(lab, scratch, index))
@@ -146,18 +227,28 @@ def main() -> None:
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     median = {key: statistics.median(r[key] for r in rounds) for key in rounds[0]}
+    cell_median = {key: statistics.median(r[key] for r in cells) for key in cells[0]}
     start, restart = statistics.median(starts), statistics.median(torchrun)
     ratios = {
         "death to error, s (target <= 2)": median["death_to_error"],
         "heal to resumed / one rank start (target <= 1.5)": median["heal_to_resumed"] / start,
         "heal to resumed / torchrun restart": median["heal_to_resumed"] / restart,
+        "deadlock to error, s (target <= 2)": cell_median["deadlock_to_error"],
+        "one rank raises: to the next step / typo: to the next step": (cell_median["raised_to_next_step"]
+                                                                       / cell_median["typo_to_next_step"]),
     }
     print(f"\nmedians of {options.repeats} runs on 4 ranks, seconds (machine: {os.cpu_count()} cores)")
     print(f"death to error {median['death_to_error']:.2f}  heal to resumed {median['heal_to_resumed']:.2f}  "
           f"steps lost {median['steps_lost']:.0f}  one rank start {start:.2f}  torchrun restart {restart:.2f}")
+    print("failed cells: " + "  ".join(f"{key} {value:.2f}" for key, value in cell_median.items()))
+    if soaked:
+        print(f"soak of {soaked['failures']} failing cells in {soaked['seconds']:.0f} s: bitwise equal "
+              f"{soaked['bitwise_equal']}, descriptors grown {soaked['descriptors_grown']}, memory grown "
+              f"{soaked['memory_grown_mb']:.1f} MB")
     for name, value in ratios.items():
         print(f"{name}: {value:.2f}")
     write_results(RESULTS, {"rounds": rounds, "one_rank_start_seconds": starts, "torchrun_restart_seconds": torchrun,
+                            "cells": cells, "cell_medians": cell_median, "soak": soaked,
                             "medians": median, "ratios": ratios})
 
 

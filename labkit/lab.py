@@ -5,11 +5,10 @@
         lab.mesh(dp=2, tp=2)               # a named device mesh on every rank
         lab.run(lambda: dist.get_rank())   # -> [0, 1, 2, 3]
 
-A ``Lab`` checks what it is asked and hands the work to its ``Session``, which
-owns the ranks. Every piece of work runs under a time limit; when work fails on
-any rank the session brings stuck ranks back, rebuilds the process group (and
-the mesh) on a fresh rendezvous store, and raises one ``RankFailure`` that tells
-what happened on which rank. The next call finds a working lab.
+A ``Lab`` checks what it is asked and hands the work to its ``Session``, which owns the ranks. Every piece of
+work runs under a time limit; when work fails on any rank the session brings stuck ranks back, rebuilds the
+process group (and the mesh) on a fresh rendezvous store, and raises one ``RankFailure`` that tells what
+happened on which rank. The next call finds a working lab.
 """
 
 from __future__ import annotations
@@ -17,6 +16,7 @@ from __future__ import annotations
 from labkit.cluster.launchers import choose_launcher
 from labkit.cluster.placement import RankPlan, plan_ranks
 from labkit.rank import entry
+from labkit.runs.push import push_values, run_on
 from labkit.runs.sources import read_script, script_argv
 from labkit.runs.status import LabStatus, collect_status
 from labkit.runs.training_run import launch_training
@@ -35,26 +35,21 @@ DEFAULT_INTERRUPT_GRACE = 5.0
 class Lab:
     """A set of live torch.distributed ranks on ipyparallel engines.
 
-    ranks: number of ranks (processes). backend: 'gloo' or 'nccl' (default: nccl
-    when GPUs are visible, one rank per GPU, else gloo). timeout: default limit
-    in seconds for each piece of work (a cell, a ``run``). start_timeout: limit
-    for the ranks to come up. threads_per_rank: torch threads in each rank
-    (default: cores // ranks, at least 1). interrupt_grace: seconds a rank gets
-    to answer an interrupt before it is replaced. oversubscribe: start more ranks
-    than the machine's free memory and cores are judged to hold (refused otherwise,
-    before anything starts, with the largest count that fits). check_collectives:
-    every collective's kind, shapes and dtypes are compared across ranks before
-    it runs, and a mismatch is an error naming each rank's call (torch's
-    ``TORCH_DISTRIBUTED_DEBUG=DETAIL``; one extra small collective each).
+    ranks: number of ranks (processes). backend: 'gloo' or 'nccl' (default: nccl when GPUs are visible, one rank
+    per GPU, else gloo). timeout: default limit in seconds for each piece of work (a cell, a ``run``).
+    start_timeout: limit for the ranks to come up. threads_per_rank: torch threads in each rank (default:
+    cores // ranks, at least 1). interrupt_grace: seconds a rank gets to answer an interrupt before it is
+    replaced. oversubscribe: start more ranks than the machine's free memory and cores are judged to hold
+    (refused otherwise, before anything starts, with the largest count that fits). check_collectives: every
+    collective's kind, shapes and dtypes are compared across ranks before it runs, and a mismatch is an error
+    naming each rank's call (torch's ``TORCH_DISTRIBUTED_DEBUG=DETAIL``; one extra small collective each).
 
-    Past one machine: ``launcher`` is the ipyparallel launcher that starts the
-    engines ('hosted', the lab's own, by default; 'mpi', 'ssh', 'slurm', ...), and
-    ``launcher_options`` go to it unchanged (``mpi_args``, ``engines``, ...).
-    controller_address: the address of this machine that the ranks reach (default
-    loopback: one machine). interface: the network interface gloo/nccl use on every
-    rank (default: the one that reaches the controller). ranks_per_host: how many
-    ranks a host may hold (nccl: its GPUs). encrypt: CurveZMQ on every ipyparallel
-    connection. Machines join with the command ``join_command()`` prints.
+    Past one machine: ``launcher`` is the ipyparallel launcher that starts the engines ('hosted', the lab's own,
+    by default; 'mpi', 'ssh', 'slurm', ...), and ``launcher_options`` go to it unchanged (``mpi_args``,
+    ``engines``, ...). controller_address: the address of this machine that the ranks reach (default loopback:
+    one machine). interface: the network interface gloo/nccl use on every rank (default: the one that reaches
+    the controller). ranks_per_host: how many ranks a host may hold (nccl: its GPUs). encrypt: CurveZMQ on every
+    ipyparallel connection. Machines join with the command ``join_command()`` prints.
     """
 
     def __init__(
@@ -220,14 +215,22 @@ class Lab:
 
     # -- running work ---------------------------------------------------------
 
-    def run(self, fn, *args, timeout: float | None = None, **kwargs) -> list:
-        """Call ``fn(*args, **kwargs)`` on every rank; return the results in rank order.
+    def run(self, fn, *args, ranks=None, timeout: float | None = None, **kwargs) -> list:
+        """Call ``fn(*args, **kwargs)`` on every rank (or ``ranks``: one, or a list); the results in rank order.
 
         ``fn`` runs with the rank's namespace as its globals when it was defined
         in the notebook, so ``rank``, ``world_size``, ``mesh``, ``dist`` work in it.
-        ``timeout`` (seconds, default ``lab.timeout``) bounds the whole call.
+        ``timeout`` (seconds, default ``lab.timeout``) bounds the whole call. ``ranks`` and
+        ``timeout`` are ``run``'s own: ``fn``'s keyword arguments cannot have those names.
         """
-        return self.session.run(fn, *args, timeout=timeout, **kwargs)
+        return run_on(self.session, ranks, fn, args, kwargs, timeout)
+
+    def push(self, values: dict | None = None, /, ranks=None, **named) -> None:
+        """Put notebook values into every rank's namespace (or ``ranks``'): ``lab.push(helper=helper, np=np)``.
+
+        Notebook functions and classes travel by source, modules by name, the rest pickled; what cannot
+        travel is refused before any rank is asked (``labkit.runs.push``). A name ``ranks``: in a dict."""
+        push_values(self.session, {**(values or {}), **named}, ranks)
 
     def run_cell(
         self, code: str, ranks=None, timeout: float | None = None, live: bool | None = None, show_values: bool = False,
@@ -299,25 +302,21 @@ class Lab:
         strategy: ddp (default), fsdp, tp, pp, or a composition such as fsdp+tp, ddp+pp, pp+tp.
         steps: 20 by default.
         model: 'mlp' (default) or 'gpt' (``model_settings=dict(dim=128, layers=8)`` resizes it).
-        resume: continue the last run for ``steps`` more steps, from the model,
-        optimizer, data position and random state the ranks kept; its settings
-        carry over, and only its length and reporting may change. The result is
-        the same as one run of all the steps.
+        resume: continue the last run for ``steps`` more steps, from the model, optimizer, data position and
+        random state the ranks kept; its settings carry over, and only its length and reporting may change. The
+        result is the same as one run of all the steps.
         mesh: axis sizes for a composition, e.g. ``dict(dp=2, tp=2)`` (default: the
         lab's mesh when its axes fit, else the most even split that fits; it says which).
-        dashboard: draw throughput, compute/communication, collectives, loss and
-        stragglers live. background: return a ``TrainingRun`` at once (``run.wait()``
-        gives the report; ``run.stop()`` or the Stop button ends it at a step
-        boundary); otherwise block and return the ``TrainReport``.
+        dashboard: draw throughput, compute/communication, collectives, loss and stragglers live. background:
+        return a ``TrainingRun`` at once (``run.wait()`` gives the report; ``run.stop()`` or the Stop button ends
+        it at a step boundary); otherwise block and return the ``TrainReport``.
         straggler_threshold: busy time against the median of like ranks that flags one.
-        settings: global_batch, micro_batches (accumulation; pipeline microbatches,
-        by default one per stage), lr, optimizer ('adamw' or 'sgd'), seed,
-        bucket_cap_mb (ddp), reshard_after_forward (fsdp), sequence_parallel (tp),
-        schedule ('gpipe' or '1f1b'), max_memory (e.g. '64MB' per rank for
-        parameters, gradients and optimizer state), verify (compare with
-        single-process training, float32 only), log_every, instruments (False:
-        measure nothing), precision ('fp32' or 'bf16'), tf32 (NVIDIA GPUs),
-        peak_tflops (one device's peak, for MFU where the lab knows none).
+        settings: global_batch, micro_batches (accumulation; pipeline microbatches, by default one per stage),
+        lr, optimizer ('adamw' or 'sgd'), seed, bucket_cap_mb (ddp), reshard_after_forward (fsdp),
+        sequence_parallel (tp), schedule ('gpipe' or '1f1b'), max_memory (e.g. '64MB' per rank for parameters,
+        gradients and optimizer state), verify (compare with single-process training, float32 only), log_every,
+        instruments (False: measure nothing), precision ('fp32' or 'bf16'), tf32 (NVIDIA GPUs), peak_tflops (one
+        device's peak, for MFU where the lab knows none).
         Everything is checked before any rank does work.
         """
         run = launch_training(self.session, dict(strategy=strategy, model=model, steps=steps, **settings), mesh,

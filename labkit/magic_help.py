@@ -16,6 +16,7 @@ SUMMARIES = {  # in the order %lab --help lists them
     "slow": "make a rank busy-wait that much longer each training step: a straggler on demand (lab.slow)",
     "link": "a simulated slow network between the ranks: set it, remove it (off) or, alone, show it (lab.link)",
     "seed": "seed torch, numpy and random on every rank: S + rank, or S everywhere with --same (lab.seed)",
+    "push": "put the notebook's functions, classes, modules and values into every rank's namespace (lab.push)",
     "run": "run a script written for torchrun, unmodified, as __main__ on every rank (lab.run_script)",
     "bench": "time a collective over message sizes on the ranks' device (lab.bench_collective)",
     "checkpoint": "save the ranks' training state, or load a checkpoint resharded to these ranks (lab.save, lab.load)",

@@ -77,6 +77,15 @@ def run_own_words(words: list[str]) -> list[str]:
     return words[: len(words) - len(script) + 1]
 
 
+def push_parser() -> CommandParser:
+    """``%lab push NAME ...``: the names are looked up in the notebook by the magic."""
+    push = command_parser("push")
+    push.add_argument("names", nargs="+", metavar="NAME",
+                      help="a function, class, module or value of the notebook; by source, by name or pickled")
+    push.add_argument("--ranks", type=rank_list, metavar="0,2", help="push to these ranks only")
+    return push
+
+
 def train_parser():
     """``%lab train``'s options: only the ones given reach ``Lab.train``, whose defaults apply.
 

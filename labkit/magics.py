@@ -8,6 +8,7 @@
     %lab slow 2 30ms          make rank 2 a straggler (off to undo)
     %lab link 100Mbit 20ms    a simulated slow network between the ranks (off to undo; alone: show it)
     %lab seed 42 [--same]     seed every rank: 42 + rank (or 42 everywhere)
+    %lab push helper np data  put notebook functions, classes, modules, values into every rank's namespace
     %lab run train.py --epochs 2   run a torchrun-style script, unmodified, on every rank
     %lab bench allreduce      time a collective over message sizes
     %%lab [--ranks 0,2] [--timeout 30]
@@ -23,6 +24,7 @@ Each magic parses its words and calls one method of the ``Lab`` it holds; the
 from __future__ import annotations
 
 import argparse
+import difflib
 import shlex
 import time
 
@@ -32,7 +34,8 @@ from IPython.core.magic import Magics, line_cell_magic, magics_class
 from labkit.lab import Lab
 from labkit.magic_args import HELP_WORDS, CommandParser, HelpShown, asks_for_help, unknown_word
 from labkit.magic_help import described_parsers, overview
-from labkit.magic_parsers import build_parsers, duration, rank_list, run_own_words, seconds, split_run_words
+from labkit.magic_parsers import (build_parsers, duration, push_parser, rank_list, run_own_words, seconds,
+                                  split_run_words)
 from labkit.network_magics import join_command_line, network_settings
 from labkit.queue_magics import ensemble_command, ensemble_parser, tasks_command, tasks_parser
 from labkit.runs.link import link_command
@@ -47,10 +50,12 @@ class LabMagics(Magics):
         super().__init__(shell)
         self.lab: Lab | None = None
         self._start_parser, self._train_parser, self._bench_parser, self._cell_parser = build_parsers()
+        self._push_parser = push_parser()
         self._described = described_parsers()  # only for --help: those commands read their words by hand
 
     def _parser(self, command: str) -> CommandParser:
-        own = {"start": self._start_parser, "train": self._train_parser, "bench": self._bench_parser}
+        own = {"start": self._start_parser, "train": self._train_parser, "bench": self._bench_parser,
+               "push": self._push_parser}
         if command in own:
             return own[command]
         if command == "tasks":
@@ -73,6 +78,7 @@ class LabMagics(Magics):
         %lab slow RANK 30ms | %lab slow RANK off      (a straggler on demand)
         %lab link [100Mbit] [20ms] | %lab link off | %lab link   (a simulated slow network; alone: show it)
         %lab seed S [--same]    seed torch, numpy, random on every rank: S + rank (S everywhere with --same)
+        %lab push NAME [NAME ...] [--ranks 0,2]   the notebook's functions, classes, modules, values onto the ranks
         %lab run [--ranks 0,2] [--timeout S] script.py [args ...]   a torchrun-style script as __main__
         %lab bench allreduce|all_gather|reduce_scatter|broadcast [--sizes 1KB:16MB] [--iters N]
         %lab checkpoint save|load PATH   save or load the ranks' training state (torch.distributed.checkpoint)
@@ -104,6 +110,7 @@ class LabMagics(Magics):
             "slow": self.slow,
             "link": lambda words: link_command(self._require_lab(), words),
             "seed": self.seed,
+            "push": self.push,
             "run": self.run_script,
             "bench": self.bench,
             "checkpoint": self.checkpoint,
@@ -229,6 +236,18 @@ class LabMagics(Magics):
             raise UsageError("give one seed, a non-negative integer, e.g. %lab seed 42 (or %lab seed 42 --same)")
         seeds = lab.seed(int(values[0]), same=same)
         print(f"seeded torch, numpy and random on every rank: {'the same seed ' + str(seeds[0]) if same else seeds}")
+        return None
+
+    def push(self, words):
+        options = self._push_parser.parse_args(words)
+        namespace = self.shell.user_ns
+        missing = [name for name in options.names if name not in namespace]
+        if missing:  # a mistake first, lab or not
+            known = [name for name in namespace if not name.startswith("_")]
+            said = [name + "".join(f" (did you mean {close}?)" for close in difflib.get_close_matches(name, known, n=1))
+                    for name in missing]
+            raise UsageError(f"%lab push takes names defined in the notebook; not defined: {', '.join(said)}")
+        self._require_lab().push({name: namespace[name] for name in options.names}, ranks=options.ranks)
         return None
 
     def run_script(self, words):

@@ -33,6 +33,7 @@ from labkit.cluster.rank_cluster import RankCluster
 from labkit.rank import entry
 from labkit.runs.dispatch import RankWork, make_output
 from labkit.runs.notebook_process import NotebookProcess
+from labkit.runs.recovery import stale_reason, unusable_note
 from labkit.runs.sources import notebook_sources
 from labkit.spec.call_arguments import chosen_ranks
 from labkit.spec.errors import (
@@ -88,6 +89,7 @@ class Session:
         self.last_training: TrainingRecord | None = None  # what the ranks' TrainState holds
         self.interrupted = None  # the last run, when it failed before its end
         self._holder = None  # a long run that owns the ranks (a TrainingRun)
+        self.foreground: RankWork | None = None  # the work a call (a cell, lab.run) waits for now: lab.status shows it
         self._holder_lock = threading.Lock()
         self._atexit = None
 
@@ -210,7 +212,7 @@ class Session:
         try:
             return RankWork(cluster, ranks, work_entry, (*args, limit), timeout=limit,
                             interrupt_grace=self.interrupt_grace, output=output, on_tick=on_tick,
-                            on_interrupt=on_interrupt, notebook=self.notebook)
+                            on_interrupt=on_interrupt, notebook=self.notebook, store_address=self.control.address)
         except (TypeError, AttributeError, pickle.PicklingError) as error:
             # Sending pickles the function and its arguments; nothing reached a rank that could run.
             raise LabConfigError(
@@ -222,12 +224,12 @@ class Session:
     def failure(self, work: RankWork, reports: dict, limit: float) -> LabError:
         """Failed work as the exception to raise, after bringing the lab back for the next call."""
         try:
-            recovery = self.recover(work)
+            recovery = self.recover(work, reports)
         except LabError as error:
             recovery = f"The process group could not be rebuilt ({error}); call lab.restart() (or %lab restart)."
         kind = RankInterrupted if work.interrupted else RankTimeout if work.timed_out else RankFailure
         return kind(reports, timed_out=work.timed_out, timeout_seconds=limit, interrupted=work.interrupted,
-                    replaced=tuple(work.replaced), recovery=recovery)
+                    replaced=tuple(work.replaced), recovery=recovery, deadlock=work.deadlock or "")
 
     def ready(self) -> RankCluster:
         """Idle ranks that can all work: a rank that died, froze or was dropped since the last
@@ -252,15 +254,17 @@ class Session:
         if not broken and not joining:
             return None
         try:
-            note = self._repair(cluster, broken, joining)
+            note, _ = self.repair(cluster, broken, joining)
         except Exception as error:  # noqa: BLE001 - whatever stops the repair, the way out is a restart
             raise LabError(f"{format_ranks(broken) if broken else 'the lab'} could not be repaired ({error}); "
                            "call lab.restart() (or %lab restart)") from None
         print(note, flush=True)
         return note
 
-    def _repair(self, cluster, broken: dict[int, str], joining: list) -> str:
-        """Replace or drop ``broken`` ranks, adopt ``joining`` engines, form the group; the note to show."""
+    def repair(self, cluster, broken: dict[int, str], joining: list, reason: str = "") -> tuple[str, dict]:
+        """Replace or drop ``broken`` ranks, adopt ``joining`` engines, form the group; the note to show, and
+        by rank the variables that held objects built on the groups of before (now unusable).
+        ``reason``: what the process groups of before say when used again (a default names the change)."""
         dropped = sorted(rank for rank in broken if cluster.records[rank].joined)
         replaced = sorted(set(broken) - set(dropped))
         kept = [rank for rank in cluster.ranks if rank not in broken]  # these keep their namespaces
@@ -282,12 +286,13 @@ class Session:
                 parts.append(f"the mesh {self.mesh_spec.describe()} no longer fits and was dropped "
                              "(set one with lab.mesh)")
                 self.mesh_spec = None
-        self.form_group()
+        held = self.form_group(reason or stale_reason(self.generation, replaced, dropped, len(joining)))
         # Say that variables were kept only where some rank kept them.
         namespaces = ("the other ranks kept their variables" if kept else
                       "no rank kept its variables: every rank is a fresh process with an empty namespace")
-        return (f"labkit: {'; '.join(parts)}. The process group was rebuilt (generation {self.generation}); "
-                f"{namespaces}.")
+        unusable = unusable_note(held)
+        return (f"labkit: {'; '.join(parts)}. The process groups were formed anew (generation {self.generation}); "
+                f"{namespaces}{'; ' + unusable if unusable else ''}."), held
 
     def kill(self, rank) -> str:
         """SIGKILL ``rank``'s process, busy or not; say which."""
@@ -312,7 +317,12 @@ class Session:
             ranks = None  # the caller listed every rank the lab had: it meant all of them
         ranks = self.targets(ranks)
         work = self.begin(ranks, work_entry, args, limit, make_output(ranks, live=live, show_values=show_values))
-        reports = work.wait()
+        self.foreground = work
+        try:
+            reports = work.wait()
+        finally:
+            if self.foreground is work:
+                self.foreground = None
         if work.failed:
             raise self.failure(work, reports, limit)
         return reports
@@ -328,21 +338,35 @@ class Session:
 
     # -- process group and mesh -------------------------------------------------
 
-    def form_group(self) -> None:
-        """A fresh rendezvous store on rank 0, every rank joins, the mesh is rebuilt."""
+    def form_group(self, reason: str = "") -> dict[int, list[str]]:
+        """A fresh store on rank 0, every rank forms the world anew (a start, or ranks replaced, dropped or
+        joined), the mesh is rebuilt. What was built on the groups of before fails with ``reason``; returns,
+        by rank, the variables that held it (``runs.recovery.unusable_note`` says them)."""
         self.generation += 1
-        self.last_training = None  # the ranks' training state lived on the old group
+        self.last_training = None  # the ranks' training state lived on the old groups
         limit = self.start_timeout
         cluster = self.require_running()
+        # Every rank lets go of the old groups before any builds the new world: a rank still closing its
+        # old connections while its peers connect anew must not see them cross.
+        held = dict(enumerate(self.call(range(self.world_size), entry.leave_groups, (reason,), limit)))
         store_host, store_port = self.call([0], entry.open_store, (limit,), limit)[0]
         places = {engine: {"rank": rank, "world_size": self.world_size, "store_host": store_host,
                            "store_port": store_port} for rank, engine in cluster.engine_of.items()}
-        self.call(range(self.world_size), entry.join_group, (places, self.generation, limit), limit)
+        self.call(range(self.world_size), entry.join_group, (places, self.generation, limit, reason), limit)
         self.control.attach(store_host, store_port)
         if self.link is not None:  # replaced ranks get it too; the others put it on their new world group
             self.call(range(self.world_size), entry.set_link, (self.link,), limit)
         if self.mesh_spec is not None:
             self.build_mesh(self.mesh_spec)
+        return {rank: names for rank, names in held.items() if names}
+
+    def rebuild_group(self) -> None:
+        """The same ranks rebuild every process group in place: what was built on the groups goes on."""
+        self.generation += 1
+        limit = self.start_timeout
+        # Every rank closes its old connections before any connects anew (as in form_group).
+        self.call(range(self.world_size), entry.release_collectives, (), limit)
+        self.call(range(self.world_size), entry.rebuild_groups, (self.generation, limit), limit)
 
     def check_group(self) -> None:
         from labkit.runs.link import waiting_notice  # its all-reduce crosses the simulated link: say so if slow
@@ -369,27 +393,8 @@ class Session:
             raise
         self.mesh_spec = spec
 
-    def recover(self, work: RankWork) -> str:
-        """After failed work: rebuild the process group so the next call works; say what was done."""
-        cluster = self.require_running()
-        dead = {rank: reason for rank in cluster.ranks if (reason := cluster.condition(rank)) is not None}
-        dropped = [rank for rank in dead if cluster.records[rank].joined]
-        if dead:
-            self._repair(cluster, dead, [])
-        else:
-            try:
-                self.form_group()
-            except LabError:
-                # Some rank cannot even rejoin: start it afresh and try once more.
-                cluster.replace([rank for rank in cluster.ranks if not cluster.records[rank].joined])
-                self.form_group()
-        replaced = sorted((set(dead) - set(dropped)) | set(work.replaced))
-        note = f"The process group was rebuilt (generation {self.generation})"
-        if self.mesh_spec is not None:
-            note += f" with mesh {self.mesh_spec.describe()}"
-        if replaced:
-            note += f"; {format_ranks(replaced)} restarted with empty namespaces"
-        if dropped:
-            note += (f"; {format_ranks(dropped)} (joined from another machine) could not be restarted and were "
-                     f"dropped: the lab now has {self.world_size} ranks")
-        return note + "; the lab is ready for the next cell."
+    def recover(self, work: RankWork, reports: dict | None = None) -> str:
+        """After failed work: bring the lab back for the next call (``runs.recovery``); say what was done."""
+        from labkit.runs.recovery import recover
+
+        return recover(self, work, reports if reports is not None else work.reports)

@@ -57,6 +57,20 @@ def ipython_shell():
     return start_ipython() or TerminalInteractiveShell.instance()
 
 
+@contextlib.contextmanager
+def lab_shell(start: str):
+    """IPython's shell with labkit loaded and ``%lab start {start}`` run; at the end the lab stops leaving
+    nothing and the extension is unloaded."""
+    ip = ipython_shell()
+    ip.run_line_magic("load_ext", "labkit")
+    ip.run_line_magic("lab", f"start {start}")
+    try:
+        yield ip
+    finally:
+        stop_leaving_nothing(ip.user_ns["lab"])
+        ip.run_line_magic("unload_ext", "labkit")
+
+
 def lab_process_ids(lab) -> set[int]:
     return set(lab.cluster.process_ids())
 

@@ -11,7 +11,7 @@ import math
 
 import pytest
 
-from .conftest import ipython_shell
+from .conftest import lab_shell
 
 from labkit import LabConfigError
 from labkit.strategies.catalog import compositions
@@ -23,12 +23,8 @@ STRATEGIES = compositions(4)  # every strategy and composition the catalog allow
 
 @pytest.fixture(scope="module")
 def shell():
-    ip = ipython_shell()
-    ip.run_line_magic("load_ext", "labkit")
-    ip.run_line_magic("lab", "start 4 --backend gloo --threads 1 --timeout 120")
-    yield ip
-    ip.run_line_magic("lab", "stop")
-    ip.run_line_magic("unload_ext", "labkit")
+    with lab_shell("4 --backend gloo --threads 1 --timeout 120") as ip:
+        yield ip
 
 
 @pytest.mark.parametrize("model", ("mlp", "gpt"))

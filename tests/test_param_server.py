@@ -15,7 +15,7 @@ from labkit import LabConfigError
 from labkit.rank.entry import this_rank
 from labkit.strategies.ps_gate import staleness_bound
 
-from .conftest import ipython_shell, stop_leaving_nothing
+from .conftest import lab_shell
 
 pytestmark = pytest.mark.lab
 
@@ -25,12 +25,8 @@ MODEL_BYTES = 10_448 * 4
 
 @pytest.fixture(scope="module")
 def shell():
-    ip = ipython_shell()
-    ip.run_line_magic("load_ext", "labkit")
-    ip.run_line_magic("lab", "start 4 --backend gloo --threads 1 --timeout 60")
-    yield ip
-    stop_leaving_nothing(ip.user_ns["lab"])
-    ip.run_line_magic("unload_ext", "labkit")
+    with lab_shell("4 --backend gloo --threads 1 --timeout 60") as ip:
+        yield ip
 
 
 @pytest.fixture(scope="module")

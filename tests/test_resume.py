@@ -66,10 +66,29 @@ def test_a_continuation_with_other_settings_is_refused_before_any_rank_works(lab
     lab.train(steps=1, resume=True, log_every=100)  # the refusals left the state as it was
 
 
-def test_nothing_to_resume_after_the_group_is_rebuilt(lab):
+def test_failed_cells_leave_the_run_resumable_ending_where_one_run_ends(lab):
+    whole = lab.train("ddp", "mlp", steps=5, log_every=100)
+    one_run = lab.run(full_parameters)
     lab.train("ddp", "mlp", steps=2, log_every=100)
+    generation = lab.generation
     with pytest.raises(RankFailure):
-        lab.run(lambda: 1 / 0)  # a failure rebuilds the process group, and the state with it
+        lab.run(lambda: 1 / 0)  # every rank raised, no collective was cut: the groups are kept
+    assert lab.generation == generation
+    with pytest.raises(RankFailure):  # rank 0 waits in an all-reduce rank 1 never joins: rebuilt in place
+        lab.run_cell("x = torch.ones(1)\nif rank == 1:\n    raise ValueError('only here')\ndist.all_reduce(x)")
+    assert lab.generation == generation + 1
+    second = lab.train(steps=3, resume=True, log_every=100)
+    continued = lab.run(full_parameters)
+    assert [step for _, step in continued] == [5] * lab.world_size
+    for (expected, _), (got, _) in zip(one_run, continued):
+        assert _equal(expected, got), "a continuation after failed cells must end where one run ends"
+    assert second.losses == whole.losses[2:]
+
+
+def test_nothing_to_resume_after_a_rank_is_replaced(lab):
+    lab.train("ddp", "mlp", steps=2, log_every=100)
+    lab.kill(1)
+    lab.run(lambda: 1)  # the lab replaces rank 1 first: the ranks form a new world
     with pytest.raises(LabConfigError, match="no training run to resume"):
         lab.train(steps=2, resume=True)
     assert lab.run(lambda: this_rank().train_state) == [None] * lab.world_size

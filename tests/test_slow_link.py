@@ -56,7 +56,8 @@ def time_collective(kind: str, numel: int, repeats: int = 1) -> float:
 
 
 def link_on_rank():
-    """Rank side: this rank's link setting, and whether the world group is the slowed stand-in."""
+    """Rank side: this rank's link setting, and whether the world group is the lab's handle (which crosses
+    the link while one is set)."""
     import torch.distributed as dist
 
     from labkit.rank.timed_group import TimedGroup
@@ -150,7 +151,7 @@ def test_runs_without_instruments_cross_the_link_too(lab):
 def test_off_restores_the_fast_path(lab):
     lab.link(latency="50ms")
     assert lab.link("off") is None and lab.link() is None
-    assert lab.run(link_on_rank) == [(None, False)] * 4  # the world group is torch's own again
+    assert lab.run(link_on_rank) == [(None, True)] * 4  # the world group's handle, with no link to cross
     seconds = lab.run(time_collective, "all_reduce", 1, 5)
     assert max(seconds) < 0.3  # far below the 300 ms a link of 50 ms adds to each
 

@@ -34,8 +34,10 @@ def test_torchrun_environment_and_after_a_rebuild(lab):
         assert env["MASTER_ADDR"] == "localhost" and int(env["MASTER_PORT"]) > 0  # as torchrun --standalone
     with pytest.raises(RankFailure):
         lab.run_cell("raise ValueError('an ordinary mistake')")
+    assert shown(lab.run_cell(ENVIRONMENT)) == before  # the groups were not disturbed: nothing moved
+    lab.kill(0)  # rank 0 serves the store: its replacement serves a new one
     after = shown(lab.run_cell("import os\n" + ENVIRONMENT))
-    # The rendezvous moved to the new generation's store; every rank agrees where.
+    # The rendezvous moved to the new world's store; every rank agrees where.
     assert len({env["MASTER_PORT"] for env in after}) == 1
     assert after[0]["MASTER_PORT"] != before[0]["MASTER_PORT"]
     assert [env["RANK"] for env in after] == ["0", "1", "2", "3"]

@@ -29,6 +29,7 @@ class RankContext:
         self.link = LinkState()  # the simulated slow link (lab.link), off until the notebook sets one
         self.store = None  # the process group's rendezvous store, where the notebook's requests wait
         self.generation = 0
+        self.formation = 0  # the generation the world was last formed in (a rebuild in place keeps it)
         self.meshes: dict = {}  # (shape, names, instrumented) -> DeviceMesh of this process group
         self.train_state = None  # rank.state.TrainState of the last run, until the group changes
 
@@ -43,7 +44,12 @@ class RankContext:
         if key not in self.meshes:
             from torch.distributed.device_mesh import init_device_mesh
 
-            mesh = init_device_mesh(self.device.type, key[0], mesh_dim_names=key[1])
+            # Naming the backend makes a dimension over every rank a group of its own instead of the
+            # default group: the lab's own traffic on the default group is then no step's, and measuring
+            # the mesh leaves what cells send on the default group alone.
+            backend = dist.get_backend()
+            mesh = init_device_mesh(self.device.type, key[0], mesh_dim_names=key[1],
+                                    backend_override={name: backend for name in key[1]})
             if instrumented:
                 instrument_mesh(mesh, self.recorder, self.link)
             elif self.link.active:  # no instruments, but the link must still slow the run's collectives

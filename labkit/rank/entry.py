@@ -91,11 +91,33 @@ def open_store(timeout_seconds: float) -> tuple[str, int]:
     return this_rank().open_store(timeout_seconds)
 
 
-def join_group(places: dict, generation: int, timeout_seconds: float) -> int:
-    """``places``: engine id -> this rank's place (rank, world size, store address)."""
+def join_group(places: dict, generation: int, timeout_seconds: float, reason: str = "") -> int:
+    """``places``: engine id -> this rank's place (rank, world size, store address); ``reason``: what
+    the groups of before are told when used again."""
     from IPython import get_ipython
 
-    return this_rank().join_group(places[get_ipython().kernel.engine_id], generation, timeout_seconds)
+    return this_rank().join_group(places[get_ipython().kernel.engine_id], generation, timeout_seconds, reason)
+
+
+def leave_groups(reason: str) -> list[str]:
+    """Retire every process group of this rank: what was built on them fails with ``reason`` from now on.
+    Returns the rank's variables that hold such objects (``name (what it is)``)."""
+    from labkit.rank.stale_objects import distributed_variables
+
+    runtime = this_rank()
+    held = distributed_variables(runtime.namespace) if runtime.groups.handles else []
+    runtime.leave_group(reason)
+    return held
+
+
+def rebuild_groups(generation: int, timeout_seconds: float) -> int:
+    """Every process group of this rank, rebuilt in place for generation ``generation``."""
+    return this_rank().rebuild_groups(generation, timeout_seconds)
+
+
+def release_collectives() -> int:
+    """Close this rank's group connections, so peers waiting for it in a collective fail now."""
+    return this_rank().release_collectives()
 
 
 def build_mesh(shape: list[int], names: list[str]):
@@ -166,6 +188,16 @@ def train(config, timeout_seconds: float) -> dict:
     return this_rank().call(train_loop, (config,), {}, None, timeout_seconds)
 
 
+def training_position() -> dict | None:
+    """Where this rank's training state stands (None: it has none): step, whether an optimizer step was cut."""
+    runtime = this_rank()
+    state = runtime.train_state
+    if state is None:
+        return None
+    return {"step": state.step, "updating": state.updating, "formation": state.formation,
+            "current": state.formation == runtime.formation}
+
+
 def save_checkpoint(target: str, partial: str, meta: dict, timeout_seconds: float) -> dict:
     """Save this rank's training state into the checkpoint ``target`` (every rank at once)."""
     runtime = this_rank()
@@ -204,3 +236,13 @@ def estimate_memory(config) -> dict:
     from labkit.rank.loop import estimate_memory as estimate
 
     return estimate(config)
+
+
+def push(items: list, sources: dict, timeout_seconds: float) -> dict:
+    """Put what the notebook pushed (``lab.push``) into this rank's namespace: all of it, or none of it.
+
+    ``sources`` (cell name -> lines) let tracebacks show the lines of pushed notebook code."""
+    from labkit.rank.push import receive
+
+    runtime = this_rank()
+    return runtime.call(receive, (items, runtime.namespace), {}, sources, timeout_seconds)

@@ -205,7 +205,9 @@ def _train(config: TrainConfig, runtime) -> dict:
         delay = control.spend_delay()
         optimizer.zero_grad(set_to_none=True)
         loss = parallel.forward_backward(inputs, targets)
+        state.updating = True
         parallel.optimizer_step(optimizer)
+        state.updating = False
         state.finish_step()
         timer.end()
         if config.instruments:

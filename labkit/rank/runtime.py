@@ -8,9 +8,11 @@ runtime through the small module-level functions below, which ipyparallel
 pickles by reference.
 
 The runtime's promise to the notebook: every piece of user work comes back as a
-plain dict (ok, value, error with a trimmed traceback) within its time limit, and
-a rank that fails takes its process group down at once, so that peers waiting
-for it in a collective are released with "connection closed" instead of hanging.
+plain dict (ok, value, error with a trimmed traceback, and what each process group
+has issued and left in flight) within its time limit. A failure leaves the process
+groups as they are: the notebook decides from every rank's report whether a
+collective was cut, and only then has the ranks release their peers and rebuild
+the groups in place (``lab_groups``), so the objects built on them go on.
 """
 
 from __future__ import annotations
@@ -30,16 +32,16 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from labkit.rank.group_memory import forget_old_groups
 from labkit.rank.context import RankContext
 from labkit.spec.schema import FailureKind
 from labkit.rank.entry import RUNTIME_NAME
-from labkit.rank.release import release_peers
+from labkit.rank.lab_groups import LabGroups
 from labkit.rank.environment import (device_name, process_group_backend, seed_as_asked, seed_independently,
                                      torchrun_environment)
 from labkit.rank.recorder import recorder_for
-from labkit.rank.torch_internals import all_process_groups, set_group_timeout
+from labkit.rank.torch_internals import reset_ddp_reducer, set_group_timeout
 from labkit.rank.user_process import UserProcess
+from labkit.rank.whereabouts import Whereabouts
 from labkit.spec.network import place_on_network
 
 # Error text by which a rank knows it failed *because of another rank*: the peer
@@ -80,6 +82,8 @@ class RankRuntime(RankContext):
         # gloo and nccl open their data sockets on this interface only (read when a group forms).
         os.environ["GLOO_SOCKET_IFNAME"] = os.environ["NCCL_SOCKET_IFNAME"] = self.interface
         self.controller_ports = frozenset(settings.get("controller_ports", ()))
+        self.groups = LabGroups(process_group_backend(backend), device if backend == "nccl" else None, self.link,
+                                keep_ports=self.controller_ports)
         self.mesh = None
         self.mesh_spec: tuple[tuple[int, ...], tuple[str, ...]] | None = None
         self.cells_run = 0
@@ -100,6 +104,8 @@ class RankRuntime(RankContext):
         # torch read TORCH_DISTRIBUTED_DEBUG when it was imported, before this rank's settings came: again.
         dist.set_debug_level_from_env()
         self._publish_names()
+        self.whereabouts = Whereabouts(self)  # while user work runs: its line and collectives, for the notebook
+        self.whereabouts.start()
 
     # -- names a cell sees --------------------------------------------------
 
@@ -164,30 +170,38 @@ class RankRuntime(RankContext):
         )
         return self.address, port
 
-    def join_group(self, place: dict, generation: int, timeout_seconds: float) -> int:
-        """Leave any old process group and join generation ``generation``.
+    def join_group(self, place: dict, generation: int, timeout_seconds: float, reason: str = "") -> int:
+        """Form the world of generation ``generation``: every group of before is retired with ``reason``.
 
         ``place``: this rank's number and the world's size now (they change when the
         lab grows or shrinks) and the store's address and port."""
-        self.leave_group()
+        self.leave_group(reason or f"the lab's ranks changed (generation {generation})")
         self.renumber(int(place["rank"]), int(place["world_size"]))
         host, port = place["store_host"], int(place["store_port"])
         if self.rank != 0 or self.store is None:
             self.store = dist.TCPStore(host, port, self.world_size, False, timeout=timedelta(seconds=timeout_seconds))
-        dist.init_process_group(
-            process_group_backend(self.backend),
-            store=dist.PrefixStore(f"gen{generation}", self.store),
-            rank=self.rank,
-            world_size=self.world_size,
-            timeout=timedelta(seconds=timeout_seconds),
-            device_id=self.device if self.backend == "nccl" else None,
-        )
-        self.generation = generation
+        self.groups.form(self.store, generation, self.rank, self.world_size, timedelta(seconds=timeout_seconds),
+                         reason="")
+        self.generation = self.formation = generation
         # What torchrun would have set; the rendezvous address changes with every generation.
         os.environ.update(torchrun_environment(self.rank, self.world_size, host, port, local_rank=self.local_rank,
                                                local_world_size=self.local_world_size,
                                                host_index=self.host_index, host_count=self.host_count))
         return self.generation
+
+    def rebuild_groups(self, generation: int, timeout_seconds: float) -> int:
+        """Same ranks, same world: every group gets its generation-``generation`` self, in place; how many.
+
+        Everything built on the groups (DDP, FSDP, DTensors, meshes, the training state) goes on.
+        A DDP whose backward a cut collective ended is told to forget that reduction."""
+        count = self.groups.reconfigure(generation, timedelta(seconds=timeout_seconds))
+        self.generation = generation
+        _forget_cut_reductions()
+        return count
+
+    def release_collectives(self) -> int:
+        """Close this rank's group connections: peers waiting for it in a collective fail now."""
+        return self.groups.release()
 
     def renumber(self, rank: int, world_size: int) -> None:
         """This process is rank ``rank`` of ``world_size`` from now on (the lab grew or shrank)."""
@@ -198,17 +212,12 @@ class RankRuntime(RankContext):
         self.rank, self.world_size = rank, world_size
         self._publish_names()
 
-    def leave_group(self) -> None:
-        """Destroy the process group (and the meshes built on it), closing its sockets."""
+    def leave_group(self, reason: str = "the lab stopped") -> None:
+        """Retire every process group (handles built on them fail with ``reason``) and the meshes."""
         self.mesh = None
         self.forget_group()
         self.namespace["mesh"] = None
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception:  # a broken group may complain on the way out
-                pass
-        forget_old_groups()
+        self.groups.retire(reason)
 
     def set_collective_timeout(self, seconds: float) -> None:
         """Bound every collective of every group by ``seconds`` (the cell's limit)."""
@@ -219,9 +228,11 @@ class RankRuntime(RankContext):
             # check_collectives wraps groups in torch's checker, which has no knob: they keep the
             # limit they were made with (start_timeout), and torch would warn at every cell.
             warnings.simplefilter("ignore", UserWarning)
-            for group in all_process_groups():
+            for handle in list(self.groups.handles):
+                if handle.inner is None:
+                    continue
                 try:
-                    set_group_timeout(group, limit)
+                    set_group_timeout(handle.inner, limit)
                 except Exception:  # groups of backends without the knob keep theirs
                     pass
 
@@ -291,6 +302,7 @@ class RankRuntime(RankContext):
 
         started = time.perf_counter()
         self.set_collective_timeout(timeout_seconds)
+        self.whereabouts.began()
         try:
             with self.user_process.user_umask(), \
                     lab_process_group(self.rank, self.world_size, self.backend, destroy_at_end=fresh_process):
@@ -299,12 +311,14 @@ class RankRuntime(RankContext):
             if exit_code(exited.code):
                 return self._failed(ScriptExit(f"exited with code {exit_code(exited.code)}"), started)
             value = None
-        except BaseException as error:  # noqa: B036 - KeyboardInterrupt too: report, release peers
+        except BaseException as error:  # noqa: B036 - KeyboardInterrupt too: reported
             return self._failed(error, started)
         finally:
+            self.whereabouts.ended()
             sys.stdout.flush()
             sys.stderr.flush()
-        return {"rank": self.rank, "ok": True, result_key: value, "seconds": time.perf_counter() - started}
+        return {"rank": self.rank, "ok": True, result_key: value, "seconds": time.perf_counter() - started,
+                "groups": self.groups.state()}
 
     def _failed(self, error: BaseException, started: float) -> dict:
         # A late Ctrl-C from the notebook must not cut the clean-up short.
@@ -321,13 +335,27 @@ class RankRuntime(RankContext):
                     "kind": classify_error(error),
                 },
             }
-            # Peers blocked on us in a collective get "connection closed" now,
-            # not at the timeout. The notebook rebuilds the group afterwards.
-            release_peers(self.controller_ports, self.backend)
-            self.leave_group()
+            # The groups stay as they are: the notebook reads every rank's report and has the
+            # groups released and rebuilt only when a collective was cut (Session.recover).
+            report["groups"] = self.groups.state()
             return report
         finally:
             signal.signal(signal.SIGINT, previous)
+
+
+def _forget_cut_reductions() -> None:
+    """Every DistributedDataParallel of this process whose backward a cut collective ended forgets that
+    reduction, so its next forward and backward run as if the failed one had not started."""
+    import gc
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    for candidate in gc.get_objects():
+        if isinstance(candidate, DistributedDataParallel):
+            try:
+                candidate._check_reducer_finalized()
+            except RuntimeError:
+                reset_ddp_reducer(candidate)
 
 
 def classify_error(error: BaseException) -> str:

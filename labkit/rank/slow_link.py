@@ -19,16 +19,12 @@ before it has been, each for its own modelled time, by one thread that
 completes the held-back futures when their time comes. Sends and receives have
 no future (gloo): their ``wait`` crosses the link instead.
 
-What is slowed: every group of the lab's meshes (training runs with or without
-instruments, the ``mesh`` of cells) and the world group. The world group is
-``torch.distributed``'s default group, which ``dist.all_reduce(t)`` in a cell,
-``lab.bench_collective`` and torchrun-style scripts use: while a link is set,
-a TimedGroup stands in as the default group (``place_world``), reporting to no
-recorder (the lab's own step-boundary traffic must not land in a step's row);
-with the link off the real group is the default again. Functional collectives
-find the world group by its name, which a slowed TimedGroup holds from then
-on. Groups a cell creates itself (``dist.new_group``, a mesh of its own) are
-not slowed. Nothing touches the host's network.
+What is slowed: every process group of the rank. Each is a TimedGroup handle
+(``rank.lab_groups``) made with the rank's LinkState: the world group, which
+``dist.all_reduce(t)`` in a cell, ``lab.bench_collective`` and torchrun-style
+scripts use, the groups of the lab's meshes (training runs with or without
+instruments, the ``mesh`` of cells), and the groups a cell makes itself
+(``dist.new_group``, a mesh of its own). Nothing touches the host's network.
 """
 
 from __future__ import annotations
@@ -41,8 +37,7 @@ from collections import deque
 import torch
 import torch.distributed as dist
 
-from labkit.rank import torch_internals
-from labkit.rank.timed_group import TimedGroup, TimedWork, instrument_mesh, wrap_group
+from labkit.rank.timed_group import TimedWork, instrument_mesh
 
 
 class QuietRecorder:
@@ -175,19 +170,19 @@ def _cuda_device(tensors):
 
 
 class LinkState:
-    """This rank's simulated link: the setting (None: off), its wire, the world group's stand-in."""
+    """This rank's simulated link: the setting (None: off) and its wire."""
 
     def __init__(self) -> None:
         self.spec = None  # spec.link.LinkSpec
         self.wire = Wire()
-        self._world: TimedGroup | None = None  # stands in for the default group while a link is set
 
     @property
     def active(self) -> bool:
         return self.spec is not None
 
-    def slow(self, work, kind: str, nbytes: int, group_size: int, recorder, token, tensors):
-        """``work`` held back by the link (None when the link adds nothing: the caller's fast path)."""
+    def slow(self, work, kind: str, nbytes: int, group_size: int, recorder, token, tensors, on_done=None):
+        """``work`` held back by the link (None when the link adds nothing: the caller's fast path).
+        ``on_done()`` runs when it has crossed the link, as the recorder's ``completed``."""
         spec = self.spec
         if spec is None:
             return None
@@ -196,6 +191,8 @@ class LinkState:
             return None
 
         def done() -> None:
+            if on_done is not None:
+                on_done()
             recorder.completed(kind, nbytes, token)
 
         try:
@@ -227,29 +224,6 @@ class LinkState:
 
         self.wire.carry(seconds, finish)
 
-    def place_world(self) -> None:
-        """Make the default group a slowed stand-in while a link is set, the real group otherwise."""
-        if not dist.is_initialized():
-            return
-        current = torch_internals.default_group()
-        if self.spec is None:
-            if self._world is not None and current is self._world:
-                torch_internals.set_default_group(self._world.inner)
-            return
-        if current is self._world:
-            return
-        if self._world is None or self._world.inner is not current:  # a new process group generation
-            if not isinstance(torch_internals.group_by_name(current.group_name), TimedGroup):
-                wrap_group(current, QuietRecorder(), self)  # for functional collectives, which go by name
-            # The default group is a TimedGroup of its own that reports to nobody: the name may belong to
-            # the lab's instrumented 1-D mesh, and the lab's own step-boundary traffic is no step's.
-            self._world = wrap_group(current, QuietRecorder(), self, by_name=False)
-            bound = getattr(current, "bound_device_id", None)
-            if bound is not None:
-                with contextlib.suppress(Exception):  # only eager nccl groups have one
-                    self._world.bound_device_id = bound
-        torch_internals.set_default_group(self._world)
-
 
 def apply_link(context, spec) -> str:
     """Set this rank's link (None: off), on the world group and on every mesh the rank has built."""
@@ -259,5 +233,4 @@ def apply_link(context, spec) -> str:
         for (_, _, instrumented), mesh in context.meshes.items():
             if not instrumented:  # instrumented meshes were given the link when they were built
                 instrument_mesh(mesh, QuietRecorder(), link)
-    link.place_world()
     return "off" if spec is None else spec.describe()

@@ -3,14 +3,18 @@
 A state is the model as this rank holds it (sharded, wrapped, staged), its
 optimizer, how many steps it has taken (which is also the data position: step
 ``n`` trains on batch ``n`` of the run's seeded data), the random generators at
-the end of the last step, and the process group generation its communicators
+the end of the last step, and the formation of the world its communicators
 belong to. It lives on the rank between cells (``RankRuntime.train_state``), so
 ``lab.train(..., resume=True)`` takes up where the last run stopped and ends
 with the same parameters as one run of all the steps together. Checkpoints
 save and load this object.
 
-A state cannot outlive its process group: when the lab rebuilds the group
-(after a failure) the state is dropped with it, and resuming says so.
+A state outlives a rebuild of the process groups in place (after a failed cell:
+the groups are handles, ``rank.lab_groups``): the generators are kept at the end
+of every step, so a run cut in the middle of one continues as if it had stopped
+before it. It does not outlive a new world (a rank replaced, the lab resized),
+and a run cut inside an optimizer step leaves it ``updating``: resuming then
+says so instead of continuing from half-updated weights.
 """
 
 from __future__ import annotations
@@ -51,8 +55,9 @@ class TrainState:
     parallel: ParallelModel
     optimizer: torch.optim.Optimizer
     mesh: object  # the DeviceMesh its communicators live on
-    generation: int
+    formation: int  # the generation in which the rank's world was formed: rebuilt in place, the groups stay its own
     step: int = 0  # steps taken in all; the next batch is number ``step``
+    updating: bool = False  # inside the optimizer's step: a failure now may leave the weights half updated
     rng: dict = field(default_factory=random_state)
 
     @property
@@ -64,18 +69,22 @@ class TrainState:
 
     def finish_step(self) -> None:
         self.step += 1
+        self.rng = random_state()  # a later run cut short resumes from here, drawing what one run would
 
     def pause(self) -> None:
         """At the end of a run: remember the generators, so a continuation draws what one run would have."""
         self.rng = random_state()
 
-    def check_continues(self, config: TrainConfig, generation: int) -> None:
-        """Refuse a continuation that would not be the same run: another model, mesh, group or position."""
-        if generation != self.generation:
+    def check_continues(self, config: TrainConfig, formation: int) -> None:
+        """Refuse a continuation that would not be the same run: another model, mesh, world or position."""
+        if formation != self.formation:
             raise RuntimeError(
-                f"this rank's training state belongs to process group generation {self.generation}, the group is "
-                f"now generation {generation}: the state was lost when the group was rebuilt. Train afresh."
+                f"this rank's training state belongs to the world formed in generation {self.formation}, the ranks "
+                f"formed a new one in generation {formation}: the state was lost with it. Train afresh."
             )
+        if self.updating:
+            raise RuntimeError("the last run was cut inside an optimizer step on this rank, so its weights may be "
+                               "half updated: load a checkpoint, or train afresh")
         if config.first_step != self.step:
             raise RuntimeError(f"the notebook resumes at step {config.first_step}, this rank stopped after "
                                f"step {self.step}")
@@ -91,7 +100,7 @@ def build_state(config: TrainConfig, runtime, make_optimizer) -> TrainState:
     model = build_model(config.model, config.model_config, config.seed, device)
     parallel = parallelize(model, mesh, config, loss_function(config.model), device, runtime.backend, runtime.rank)
     optimizer = make_optimizer(parallel.module.parameters(), config, device)
-    return TrainState(config, parallel, optimizer, mesh, runtime.generation)
+    return TrainState(config, parallel, optimizer, mesh, runtime.formation)
 
 
 def state_for(config: TrainConfig, runtime, make_optimizer) -> TrainState:
@@ -101,7 +110,7 @@ def state_for(config: TrainConfig, runtime, make_optimizer) -> TrainState:
         if state is None:
             raise RuntimeError("this rank has no training state to continue (it was restarted, or never trained): "
                                "train afresh")
-        state.check_continues(config, runtime.generation)
+        state.check_continues(config, runtime.formation)
         restore_random_state(state.rng)
         return state
     runtime.train_state = None  # the old model's memory goes before the new one is built

@@ -22,6 +22,8 @@ for all-gather, the full input for reduce-scatter).
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 
@@ -45,23 +47,37 @@ def _device_type(value) -> str:
     return "cpu"
 
 
+class StaleGroupError(RuntimeError):
+    """A process group that can no longer be used (its ranks changed, or it was destroyed); says why."""
+
+
 class TimedWork(dist.Work):
-    """Wraps a real work handle so its ``wait`` is seen by the recorder.
+    """Wraps a real work handle so its ``wait`` is seen: by the recorder, and by the group's bookkeeping.
 
     Send and receive have no future: their completion is noted when ``wait``
-    returns. On a GPU every work is wrapped, so that a wait of the compute
-    stream (``wait`` on CUDA makes the current stream wait) is bracketed.
+    returns. While a thread waits, the group says which of its operations it
+    waits for (``TimedGroup.waiting``): that is how a rank that waits in a
+    collective is told from one that computes.
     """
 
-    def __init__(self, inner: dist.Work, recorder, on_done=None) -> None:
+    def __init__(self, inner: dist.Work, recorder, on_done=None, group=None, sequence: int = 0) -> None:
         super().__init__()
         self.inner = inner
         self.recorder = recorder
         self.on_done = on_done
+        self.group = group
+        self.sequence = sequence
 
     def wait(self, timeout=None) -> bool:
-        with self.recorder.waiting():
-            result = self.inner.wait() if timeout is None else self.inner.wait(timeout)
+        group = self.group
+        if group is not None:
+            group.waiting = self.sequence
+        try:
+            with self.recorder.waiting():
+                result = self.inner.wait() if timeout is None else self.inner.wait(timeout)
+        finally:
+            if group is not None and group.waiting == self.sequence:
+                group.waiting = None
         if self.on_done is not None:
             self.on_done()
         return result
@@ -86,7 +102,7 @@ class TimedWork(dist.Work):
 
 
 class TimedGroup(dist.ProcessGroup):
-    """A process group that forwards every collective to ``inner`` and reports it to ``recorder``.
+    """A process group that forwards every operation to ``inner`` and reports it to ``recorder``.
 
     For each operation: ``token = recorder.issued(device_type)`` when it is
     issued, ``recorder.completed(kind, nbytes, token)`` when it completes (from
@@ -94,6 +110,14 @@ class TimedGroup(dist.ProcessGroup):
     through ``recorder.waiting()``. ``instruments.StepRecorder`` keeps CPU
     times, ``gpu_instruments.CudaStepRecorder`` CUDA events. ``link``, the
     rank's ``slow_link.LinkState``, may complete works later, as a slow network would.
+
+    It is also the handle user code holds (``rank.lab_groups``): ``inner`` can be
+    replaced by the same group of a new generation (``replace_inner``), and a group
+    that cannot come back is ``retire``d, after which every operation raises
+    ``StaleGroupError`` with the reason. It counts what it issued (``issued``, the
+    sequence number of the latest operation), keeps what has not completed
+    (``in_flight``: sequence -> kind, bytes, when) and which operation a thread
+    waits for (``waiting``): how the notebook tells an intact group from a cut one.
     """
 
     def __init__(self, inner: dist.ProcessGroup, recorder, link=None) -> None:
@@ -101,6 +125,12 @@ class TimedGroup(dist.ProcessGroup):
         self.inner = inner
         self.recorder = recorder
         self.link = link
+        self.issued = 0
+        self.collectives = 0  # operations every member takes part in (not send/recv): equal on all members
+        self.in_flight: dict[int, tuple[str, int, float]] = {}
+        self.waiting: int | None = None
+        self.stale: str | None = None
+        self._backend_name = inner.name()
         # A group may have one backend per device type ("cpu:gloo,cuda:nccl"):
         # register each under its own type, and make the GPU's the default.
         default = None
@@ -111,89 +141,162 @@ class TimedGroup(dist.ProcessGroup):
                 default = _backend_type(backend)
         torch_internals.set_default_backend(self, default if default is not None else _backend_type(inner))
 
+    # -- the handle's life --------------------------------------------------
+
+    def replace_inner(self, inner: dist.ProcessGroup) -> None:
+        """Go on with ``inner``, the same ranks' group of a new generation; counting starts again."""
+        self.inner = inner
+        self.issued = self.collectives = 0
+        self.in_flight = {}
+        self.waiting = None
+
+    def retire(self, reason: str) -> None:
+        """Every later operation raises ``StaleGroupError(reason)``."""
+        self.stale = reason
+        self.inner = None
+        self.in_flight = {}
+        self.waiting = None
+
+    def _live(self) -> dist.ProcessGroup:
+        if self.inner is None:
+            raise StaleGroupError(self.stale or "this process group was destroyed")
+        return self.inner
+
+    def shutdown(self) -> None:  # destroy_process_group(group)
+        inner, self.inner = self.inner, None
+        self.stale = self.stale or f"process group {self.group_name!r} was destroyed (destroy_process_group)"
+        if inner is not None:
+            inner.shutdown()
+
+    def abort(self) -> None:
+        if self.inner is not None:
+            self.inner.abort()
+
     # -- bookkeeping ------------------------------------------------------
 
     def _issue(self, kind: str, nbytes: int, call, tensors, *args, **kwargs):
+        """``call``: the name of ``inner``'s method (given ``tensors, *args, **kwargs``), or ``f(inner, tensors)``."""
+        self._live()
         recorder = self.recorder
         token = recorder.issued(_device_type(tensors))
-        work = call(tensors, *args, **kwargs)
+        self.issued += 1
+        sequence = self.issued
+        if kind not in _POINT_TO_POINT:
+            self.collectives += 1
+        in_flight = self.in_flight
+        in_flight[sequence] = (kind, nbytes, time.time())
+
+        def done(_=None) -> None:
+            in_flight.pop(sequence, None)
+            recorder.completed(kind, nbytes, token)
+
+        inner = self._live()
+        work = getattr(inner, call)(tensors, *args, **kwargs) if isinstance(call, str) else call(inner, tensors)
         if self.link is not None:  # a simulated slow link: the work completes when the link has carried it
-            slowed = self.link.slow(work, kind, nbytes, self.size(), recorder, token, tensors)
+            slowed = self.link.slow(work, kind, nbytes, self.size(), recorder, token, tensors,
+                                    on_done=lambda: in_flight.pop(sequence, None))
             if slowed is not None:
                 return slowed
         try:
             future = work.get_future()
         except RuntimeError:  # p2p work has no future: its wait() marks completion
-            return TimedWork(work, recorder, lambda: recorder.completed(kind, nbytes, token))
-        future.then(lambda _: recorder.completed(kind, nbytes, token))
-        return TimedWork(work, recorder) if recorder.watches_waits else work
+            return TimedWork(work, recorder, done, self, sequence)
+        future.then(done)
+        return TimedWork(work, recorder, None, self, sequence)
 
     # -- collectives --------------------------------------------------------
 
     def allreduce(self, tensors, *args, **kwargs):
-        return self._issue("all_reduce", _bytes(tensors), self.inner.allreduce, tensors, *args, **kwargs)
+        return self._issue("all_reduce", _bytes(tensors), "allreduce", tensors, *args, **kwargs)
 
     def allreduce_coalesced(self, tensors, *args, **kwargs):
-        return self._issue("all_reduce", _bytes(tensors), self.inner.allreduce_coalesced, tensors, *args, **kwargs)
+        return self._issue("all_reduce", _bytes(tensors), "allreduce_coalesced", tensors, *args, **kwargs)
 
     def allgather(self, output_tensors, input_tensors, *args, **kwargs):
-        return self._issue("all_gather", _bytes(output_tensors), self.inner.allgather, output_tensors, input_tensors, *args, **kwargs)
+        return self._issue("all_gather", _bytes(output_tensors), "allgather", output_tensors, input_tensors, *args, **kwargs)
 
     def _allgather_base(self, output, input, *args, **kwargs):
-        return self._issue("all_gather", _bytes(output), self.inner._allgather_base, output, input, *args, **kwargs)
+        return self._issue("all_gather", _bytes(output), "_allgather_base", output, input, *args, **kwargs)
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, *args, **kwargs):
-        return self._issue("all_gather", _bytes(outputs), self.inner.allgather_into_tensor_coalesced, outputs, inputs, *args, **kwargs)
+        return self._issue("all_gather", _bytes(outputs), "allgather_into_tensor_coalesced", outputs, inputs, *args, **kwargs)
 
     def reduce_scatter(self, output_tensors, input_tensors, *args, **kwargs):
-        return self._issue("reduce_scatter", _bytes(input_tensors), self.inner.reduce_scatter, output_tensors, input_tensors, *args, **kwargs)
+        return self._issue("reduce_scatter", _bytes(input_tensors), "reduce_scatter", output_tensors, input_tensors, *args, **kwargs)
 
     def _reduce_scatter_base(self, output, input, *args, **kwargs):
-        return self._issue("reduce_scatter", _bytes(input), self.inner._reduce_scatter_base, output, input, *args, **kwargs)
+        return self._issue("reduce_scatter", _bytes(input), "_reduce_scatter_base", output, input, *args, **kwargs)
 
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, *args, **kwargs):
-        return self._issue("reduce_scatter", _bytes(inputs), self.inner.reduce_scatter_tensor_coalesced, outputs, inputs, *args, **kwargs)
+        return self._issue("reduce_scatter", _bytes(inputs), "reduce_scatter_tensor_coalesced", outputs, inputs, *args, **kwargs)
 
     def all_gather_single(self, output, input, *args, **kwargs):
-        return self._issue("all_gather", _bytes(output), self.inner.all_gather_single, output, input, *args, **kwargs)
+        return self._issue("all_gather", _bytes(output), "all_gather_single", output, input, *args, **kwargs)
 
     def all_gather_single_coalesced(self, outputs, inputs, *args, **kwargs):
-        return self._issue("all_gather", _bytes(outputs), self.inner.all_gather_single_coalesced, outputs, inputs, *args, **kwargs)
+        return self._issue("all_gather", _bytes(outputs), "all_gather_single_coalesced", outputs, inputs, *args, **kwargs)
 
     def reduce_scatter_single(self, output, input, *args, **kwargs):
-        return self._issue("reduce_scatter", _bytes(input), self.inner.reduce_scatter_single, output, input, *args, **kwargs)
+        return self._issue("reduce_scatter", _bytes(input), "reduce_scatter_single", output, input, *args, **kwargs)
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, *args, **kwargs):
-        return self._issue("reduce_scatter", _bytes(inputs), self.inner.reduce_scatter_single_coalesced, outputs, inputs, *args, **kwargs)
+        return self._issue("reduce_scatter", _bytes(inputs), "reduce_scatter_single_coalesced", outputs, inputs, *args, **kwargs)
 
     def all_to_all_single(self, output, input, *args, **kwargs):
-        return self._issue("all_to_all", _bytes(input), self.inner.all_to_all_single, output, input, *args, **kwargs)
+        return self._issue("all_to_all", _bytes(input), "all_to_all_single", output, input, *args, **kwargs)
 
     def broadcast(self, tensors, *args, **kwargs):
-        return self._issue("broadcast", _bytes(tensors), self.inner.broadcast, tensors, *args, **kwargs)
+        return self._issue("broadcast", _bytes(tensors), "broadcast", tensors, *args, **kwargs)
 
     def alltoall_base(self, output, input, *args, **kwargs):
-        return self._issue("all_to_all", _bytes(input), self.inner.alltoall_base, output, input, *args, **kwargs)
+        return self._issue("all_to_all", _bytes(input), "alltoall_base", output, input, *args, **kwargs)
 
     def send(self, tensors, *args, **kwargs):
-        return self._issue("send", _bytes(tensors), self.inner.send, tensors, *args, **kwargs)
+        return self._issue("send", _bytes(tensors), "send", tensors, *args, **kwargs)
 
     def recv(self, tensors, *args, **kwargs):
-        return self._issue("recv", _bytes(tensors), self.inner.recv, tensors, *args, **kwargs)
+        return self._issue("recv", _bytes(tensors), "recv", tensors, *args, **kwargs)
 
     def recv_anysource(self, tensors, *args, **kwargs):
-        return self._issue("recv", _bytes(tensors), self.inner.recv_anysource, tensors, *args, **kwargs)
+        return self._issue("recv", _bytes(tensors), "recv_anysource", tensors, *args, **kwargs)
 
     def barrier(self, *args, **kwargs):
-        return self._issue("barrier", 0, lambda _: self.inner.barrier(*args, **kwargs), None)
+        return self._issue("barrier", 0, lambda inner, _: inner.barrier(*args, **kwargs), None)
+
+    def reduce(self, tensors, *args, **kwargs):
+        return self._issue("reduce", _bytes(tensors), "reduce", tensors, *args, **kwargs)
+
+    def gather(self, output_tensors, input_tensors, *args, **kwargs):
+        return self._issue("gather", _bytes(input_tensors), "gather", output_tensors, input_tensors, *args, **kwargs)
+
+    def scatter(self, output_tensors, input_tensors, *args, **kwargs):
+        return self._issue("scatter", _bytes(output_tensors), "scatter", output_tensors, input_tensors, *args, **kwargs)
+
+    def alltoall(self, output_tensors, input_tensors, *args, **kwargs):
+        return self._issue("all_to_all", _bytes(input_tensors), "alltoall", output_tensors, input_tensors, *args, **kwargs)
+
+    def allgather_coalesced(self, output_lists, input_list, *args, **kwargs):
+        return self._issue("all_gather", _bytes(output_lists), "allgather_coalesced", output_lists, input_list, *args, **kwargs)
+
+    def monitored_barrier(self, *args, **kwargs):  # gloo's: blocks, returns nothing
+        return self._live().monitored_barrier(*args, **kwargs)
+
+    def _start_coalescing(self, device):
+        return self._live()._start_coalescing(device)
+
+    def _end_coalescing(self, device):
+        return self._live()._end_coalescing(device)
 
     # -- identity -------------------------------------------------------
 
     def getBackendName(self) -> str:  # noqa: N802 - the name pybind calls
-        return self.inner.name()
+        return self._backend_name
 
     def name(self) -> str:
-        return self.inner.name()
+        return self._backend_name
+
+
+_POINT_TO_POINT = frozenset({"send", "recv"})
 
 
 def _backend_type(group):
@@ -219,6 +322,8 @@ def instrument_mesh(mesh, recorder, link=None) -> None:
         group = torch_internals.group_by_name(name)
         if not isinstance(group, TimedGroup):
             torch_internals.put_in_mesh(mesh, name, wrap_group(group, recorder, link))
-        elif getattr(group.recorder, "quiet", False):
-            # Only slowed so far (slow_link, a run without instruments); meshes share the world group's name.
-            group.recorder = recorder
+        else:
+            if getattr(group.recorder, "quiet", False):  # not measured so far (a handle of rank.lab_groups)
+                group.recorder = recorder
+            if link is not None:
+                group.link = link

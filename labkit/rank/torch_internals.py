@@ -43,6 +43,12 @@ def missing_internals() -> list[str]:
         "distributed_c10d._set_pg_timeout": lambda: c10d._set_pg_timeout,
         "distributed_c10d._update_default_pg": lambda: c10d._update_default_pg,
         "distributed_c10d._abort_process_group": lambda: c10d._abort_process_group,
+        "distributed_c10d._new_process_group_helper": lambda: c10d._new_process_group_helper,
+        "distributed_c10d._register_pg_in_world": lambda: c10d._register_pg_in_world,
+        "distributed_c10d._world.group_count": lambda: c10d._world.group_count,
+        "distributed_c10d._unregister_all_process_groups": lambda: c10d._unregister_all_process_groups,
+        "nn.parallel.DistributedDataParallel.reducer._reset_state":
+            lambda: torch._C._distributed_c10d.Reducer._reset_state,
         "_C._distributed_c10d._register_process_group": lambda: c10d_native._register_process_group,
         "_C._distributed_c10d._resolve_process_group": lambda: c10d_native._resolve_process_group,
         "_C._distributed_c10d._unregister_process_group": lambda: c10d_native._unregister_process_group,
@@ -109,6 +115,79 @@ def take_place_of(inner, stand_in, by_name: bool = True) -> None:
     if by_name:
         c10d_native._unregister_process_group(inner.group_name)
         c10d_native._register_process_group(inner.group_name, stand_in)
+
+
+def new_backend_group(group_size: int, group_rank: int, global_ranks: list[int], backend: str, store,
+                      name: str, options=None, timeout: timedelta | None = None, device_id=None,
+                      description: str = "undefined"):
+    """A process group built by torch exactly as ``new_group`` would build it, but unknown to its registry.
+
+    The lab's stable groups (``rank.lab_groups``) put their own handle in the registry and hold this one
+    inside: a rebuild replaces it without the registry (or anything a user built) noticing. ``store``
+    should be unique to the generation: the group's rendezvous keys are ``name`` under it."""
+    group, _ = c10d._new_process_group_helper(group_size, group_rank, global_ranks, backend, store, name,
+                                              backend_options=options, timeout=timeout, device_id=device_id,
+                                              group_desc=description)
+    forget_registration(group)
+    return group
+
+
+def forget_registration(group) -> None:
+    """Remove ``group`` from torch's registry of groups (tables and lookup by name), leaving it working."""
+    world = c10d._world
+    name = world.pg_names.get(group)
+    for table in (*_WORLD_TABLES, "pg_backend_config", "pg_coalesce_state"):
+        getattr(world, table).pop(group, None)
+    tag = world.pg_to_tag.pop(group, None)
+    for tagged in world.tags_to_pg.values():
+        if group in tagged:
+            tagged.remove(group)
+    if name is not None:
+        with contextlib.suppress(Exception):  # registered under another name, or not at all
+            c10d_native._unregister_process_group(name)
+    del tag
+
+
+def register_group(group, name: str, backend: str, store, backend_config: str, rank_mapping: dict) -> None:
+    """Put ``group`` in torch's registry as ``new_group`` would: by name, with its ranks and store."""
+    c10d._register_pg_in_world(group, backend_name=backend, store=store, group_name=name,
+                               backend_config=backend_config, rank_mapping=rank_mapping, add_to_default_tag=True)
+
+
+def install_world(group, backend: str, store, backend_config: str) -> None:
+    """Make ``group`` torch's default (world) group, registered as ``init_process_group`` registers it.
+
+    Its name is a number, as torch's are; the groups made after it are numbered from there on every rank."""
+    register_group(group, group.group_name, backend, store, backend_config, {i: i for i in range(group.size())})
+    c10d._update_default_pg(group)
+    c10d._world.group_count = int(group.group_name) + 1
+
+
+def set_world_store(group, store) -> None:
+    """The store new groups rendezvous on (``new_group`` takes the default group's)."""
+    backend, _ = c10d._world.pg_map[group]
+    c10d._world.pg_map[group] = (backend, store)
+
+
+def clear_registry() -> None:
+    """Forget every group without shutting any down (their handles were retired: ``rank.lab_groups``).
+
+    Each stays known by its ranks and backend (not by name, so new groups may take the names): torch
+    looks those up before it calls a group, and the group's own error is the one to see."""
+    world = c10d._world
+    kept = {table: dict(getattr(world, table)) for table in ("pg_map", "pg_group_ranks", "pg_backend_config")}
+    c10d._update_default_pg(None)
+    for table in (*_WORLD_TABLES, "pg_backend_config", "pg_to_tag", "tags_to_pg", "pg_coalesce_state"):
+        getattr(world, table).clear()
+    for table, entries in kept.items():
+        getattr(world, table).update(entries)
+    c10d._unregister_all_process_groups()
+    world.group_count = 0
+
+
+def reset_ddp_reducer(module) -> None:
+    """Forget a DistributedDataParallel's unfinished reduction (a backward a failed collective cut short)."""
+    module.reducer._reset_state()
 
 
 def group_lifecycle() -> tuple:

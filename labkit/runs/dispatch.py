@@ -13,6 +13,21 @@ interrupted. How a stuck rank is brought back, in order:
 
 A kernel interrupt (the notebook's stop button) starts at step 2 at once.
 
+While ranks are busy, the notebook reads where each one is (its line, what its
+groups have in flight and wait for: ``rank.whereabouts``) from the ranks' store
+every ``READ_SECONDS`` in a thread (``cluster.rank_whereabouts``), keeps the
+latest in ``whereabouts`` (``lab.status`` shows them) and names a deadlock from
+them (``runs.deadlock``): a rank waits in a collective that a rank that finished,
+failed or is not in the work will never join, or the ranks called different
+collectives, or all of them wait and none can go on. Then the waiting ranks are
+made to fail at once instead of at the limit: idle ranks close their groups'
+connections (``entry.release_collectives``), blocked ranks are asked to close
+their own (their whereabouts thread does), ``released`` tells the session that
+the groups must be rebuilt in place, and ``deadlock`` says what happened. A rank
+that merely failed while others compute releases nothing. Only when a busy rank's
+whereabouts cannot be read does a failed rank release its peers after
+``FALLBACK_RELEASE_SECONDS``.
+
 User work runs in the notebook's folder, umask and environment of the moment it
 is sent (``runs.notebook_process``): they travel with it to each rank.
 """
@@ -22,13 +37,22 @@ from __future__ import annotations
 import signal
 import time
 
+from labkit.cluster.rank_whereabouts import WhereaboutsReader
 from labkit.rank import entry as rank_entry
+from labkit.runs.deadlock import DeadlockWatch, in_flight, waiting_note
+from labkit.spec.errors import LabError
 from labkit.spec.schema import FailureKind, RankReport
 from labkit.views.rank_output import LiveOutput, RankTexts
 
 POLL_SECONDS = 0.1  # waits end early when a result lands; this paces output and liveness checks
 LIVENESS_CHECK_SECONDS = 0.5
 OUTPUT_GRACE_SECONDS = 2.0
+RELEASE_CALL_SECONDS = 10.0
+ABSENT_CALL_SECONDS = 2.0  # an idle rank answers at once; one busy with other work is left unknown
+READ_AFTER_SECONDS = 0.2  # work that ends sooner is never watched (nor is torch loaded here for it)
+STALE_SECONDS = 3.0  # a rank publishes at least every second: an older value is not trusted
+# When a busy rank's whereabouts cannot be read, how long after a failure its peers are released anyway.
+FALLBACK_RELEASE_SECONDS = 4.0
 
 
 def _report(rank: int, kind: str, error_type: str, message: str, traceback: str = "") -> RankReport:
@@ -71,11 +95,13 @@ class RankWork:
         on_tick=None,
         on_interrupt=None,
         notebook=None,
+        store_address: tuple[str, int] | None = None,
     ):
         """``on_tick(work)`` runs at every poll (live metrics read ``work.results``);
         ``on_interrupt()`` may ask the ranks to wind down and return how many
         seconds to give them before they are interrupted. ``notebook``: the
-        ``NotebookProcess`` whose state the work runs in (None: the ranks' own)."""
+        ``NotebookProcess`` whose state the work runs in (None: the ranks' own). ``store_address``:
+        the ranks' rendezvous store, where they publish their whereabouts (None: not watched)."""
         self.cluster = cluster
         self.on_tick = on_tick
         self.on_interrupt = on_interrupt
@@ -87,6 +113,17 @@ class RankWork:
         self.replaced: list[int] = []
         self.timed_out = False
         self.interrupted = False
+        self.released = False  # ranks closed their groups' connections: the groups must be rebuilt
+        self.whereabouts: dict[int, dict] = {}  # busy rank -> where it is (rank.whereabouts), fresh values only
+        self.deadlock: str | None = None  # the deadlock that made the work fail, in words
+        self.store_address = store_address
+        self._reader: WhereaboutsReader | None = None
+        self._watch = DeadlockWatch()
+        self._absent_groups: dict[int, dict | None] = {}  # ranks not in the work -> their groups (None: unknown)
+        self._deadlock_groups: set[str] | None = None  # once a deadlock is found: the groups it is on
+        self._released_from: set[int] = set()  # idle ranks that closed their connections
+        self._release_asked: set[int] = set()  # busy ranks asked to close theirs
+        self._first_failure: float | None = None
         if notebook is None:
             self.pending = {rank: cluster.engine(rank).apply_async(entry, *args) for rank in self.ranks}
         else:
@@ -95,6 +132,8 @@ class RankWork:
                 rank_entry.in_notebook_state, notebook.state_for(state, cluster.records.get(rank)), entry, *args)
                 for rank in self.ranks}
         self.results = dict(self.pending)  # every rank's AsyncResult, finished or not
+        # What each rank's published whereabouts name (the request's ipyparallel message id).
+        self.work_ids = {rank: (getattr(result, "msg_ids", None) or [None])[0] for rank, result in self.pending.items()}
         self.started = time.monotonic()
 
     # -- watching -------------------------------------------------------------
@@ -133,6 +172,97 @@ class RankWork:
                 del self.pending[rank]
                 self.reports[rank] = self._lost_report(rank, reason)
 
+    # -- deadlocks ----------------------------------------------------------------
+
+    def _watch_collectives(self) -> None:
+        """Read where the busy ranks are; when a deadlock shows, make the waiting ranks fail now."""
+        if not self.pending:
+            return
+        now = time.monotonic()
+        if self._reader is None and self.store_address is not None and now - self.started >= READ_AFTER_SECONDS:
+            self._reader = WhereaboutsReader(self.store_address, self.work_ids)
+        states = {}
+        if self._reader is not None:
+            self._reader.watch_only(self.pending)
+            states = {rank: state for rank, state in self._reader.states.items()
+                      if rank in self.pending and now - state["seen_at"] < STALE_SECONDS}
+        self.whereabouts = states
+        self.output.note(waiting_note(states, now))
+        if self._deadlock_groups is not None:
+            self._release(states)  # ranks that stop or wait since are released too
+            return
+        found = None
+        if states:
+            found = self._watch.check(states, self.reports, self._absent(states), self.ranks, list(self.pending),
+                                      now, self._reader.rounds)
+        if found is None:
+            self._fallback_release(now, states)
+            return
+        # Told first only when it is the news: not past the limit, nor when a rank failed on its own (its
+        # error is the cause, and the failure already says the others waited for it).
+        own = any(not report.get("ok") and report.get("error", {}).get("kind") != FailureKind.COLLECTIVE
+                  for report in self.reports.values())
+        if not (self.timed_out or self.interrupted or own):
+            self.deadlock = found.text
+        self._deadlock_groups = found.groups
+        self.released = True
+        self._release(states)
+
+    def _absent(self, states: dict) -> dict:
+        """The groups of the ranks outside the work that share a group with a busy rank's collective."""
+        outside = {member for rank, state in states.items() for item in in_flight(rank, state.get("groups"))
+                   for member in item.members} - set(self.ranks) - set(self._absent_groups)
+        if outside:
+            from labkit.rank.whereabouts import group_state  # sent by reference: the ranks have it
+
+            asked = sorted(outside)
+            try:
+                answers = self.cluster.call(asked, group_state, (), ABSENT_CALL_SECONDS)
+            except LabError:  # busy with other work, or gone: not known, and so never blamed
+                answers = [None] * len(asked)
+            self._absent_groups.update(zip(asked, answers))
+        return {rank: groups for rank, groups in self._absent_groups.items() if groups is not None}
+
+    def _release(self, states: dict) -> None:
+        """Idle ranks on the deadlocked groups close their connections; busy ranks with collectives in flight
+        are asked to close theirs (each once)."""
+        groups = self._deadlock_groups or set()
+        idle = [rank for rank, report in self.reports.items()
+                if report.get("error", {}).get("kind") != FailureKind.DIED]
+        idle += [rank for rank, state in self._absent_groups.items() if state and groups & set(state)]
+        idle = sorted(set(idle) - self._released_from)
+        if idle:
+            self._released_from.update(idle)
+            try:
+                self.cluster.call(idle, rank_entry.release_collectives, (), RELEASE_CALL_SECONDS)
+            except LabError:  # it went meanwhile: its connections closed with it
+                pass
+        blocked = sorted(rank for rank, state in states.items()
+                         if rank not in self._release_asked and in_flight(rank, state.get("groups")))
+        if blocked and self._reader is not None:
+            self._release_asked.update(blocked)
+            self._reader.request_release(blocked)
+
+    def _fallback_release(self, now: float, states: dict) -> None:
+        """A rank failed while busy peers' whereabouts cannot be read: release them after a while anyway."""
+        failed = [rank for rank, report in self.reports.items()
+                  if not report.get("ok") and rank not in self._released_from]
+        if not failed:
+            return
+        if self._first_failure is None:
+            self._first_failure = now
+        unknown = [rank for rank in self.pending if rank not in states]
+        if not unknown or now - self._first_failure < FALLBACK_RELEASE_SECONDS:
+            return
+        self._released_from.update(failed)
+        alive = [rank for rank in failed if self.reports[rank]["error"]["kind"] != FailureKind.DIED]
+        if alive:
+            try:
+                self.cluster.call(alive, rank_entry.release_collectives, (), RELEASE_CALL_SECONDS)
+            except LabError:
+                pass
+        self.released = True
+
     def _lost_report(self, rank: int, reason: str | None = None) -> RankReport:
         """The report of a rank whose process ended or that the controller lost (the hub says which)."""
         reason = reason or self.cluster.condition(rank) or "ended while it ran the work"
@@ -146,6 +276,7 @@ class RankWork:
             if time.monotonic() >= next_liveness:
                 self._check_alive()
                 next_liveness = time.monotonic() + LIVENESS_CHECK_SECONDS
+            self._watch_collectives()
             if self.pending:
                 # Wakes as soon as a result lands, else redraws output every POLL_SECONDS.
                 first = next(iter(self.pending.values()))
@@ -196,6 +327,9 @@ class RankWork:
                 self.interrupted = True
                 self._escalate_after_interrupt()
         finally:
+            if self._reader is not None:
+                self._reader.stop()
+            self.whereabouts = {}
             self.output.finish()
         return dict(sorted(self.reports.items()))
 

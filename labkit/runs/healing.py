@@ -1,7 +1,9 @@
 """Going on after a failure: from the last checkpoint, on ranks the session has already replaced.
 
-When a training run fails (a rank killed, frozen, crashed), the session replaces
-the ranks that are gone and rebuilds the process group, which drops every rank's
+When a training run fails without costing a rank (one raised, or was stopped),
+the ranks keep their training state: ``surviving_step`` says where it stands, and
+``resume=True`` continues it. When a rank was killed, froze or crashed, the
+session replaces it and the ranks form a new world, which drops every rank's
 training state. What survives is on disk: the run's checkpoints
 (``checkpoint_every``/``checkpoint_dir``). ``continuation`` loads the newest one
 into the ranks and returns the run that finishes the original one: the same
@@ -19,8 +21,11 @@ import os
 from dataclasses import dataclass, replace
 
 from labkit.runs.checkpoints import find_checkpoint, is_complete, read_meta
-from labkit.spec.errors import LabConfigError
+from labkit.spec.errors import LabConfigError, LabError
 from labkit.spec.train_config import TrainConfig
+
+
+POSITION_CALL_SECONDS = 30.0  # asking the ranks where their training state stands
 
 
 @dataclass(frozen=True)
@@ -34,6 +39,21 @@ class Interrupted:
     dashboard: bool
     timeout: float
     straggler_threshold: float
+
+
+def surviving_step(session) -> int | None:
+    """After a failed run that cost no rank: the step at which every rank's training state stands, when
+    all stopped at the same one outside an optimizer step (the run can be resumed from it); else None."""
+    from labkit.rank import entry
+
+    try:
+        positions = session.call(range(session.world_size), entry.training_position, (), POSITION_CALL_SECONDS)
+    except LabError:
+        return None
+    if not all(position and position["current"] and not position["updating"] for position in positions):
+        return None
+    steps = {position["step"] for position in positions}
+    return steps.pop() if len(steps) == 1 else None
 
 
 def has_checkpoint(config: TrainConfig) -> bool:

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass
 
 from labkit.rank import entry
+from labkit.runs.deadlock import describe_whereabouts
 
 
 @dataclass(frozen=True)
@@ -20,6 +21,7 @@ class RankStatus:
     threads: int | None
     generation: int | None
     coordinate: tuple[int, ...] | None
+    doing: str | None = None  # a busy rank: its line in the cell, and the collective it waits in
 
 
 @dataclass(frozen=True)
@@ -82,7 +84,12 @@ class LabStatus:
             lines.append("  ".join(column.ljust(width) for column, width in zip(self._COLUMNS, widths)).rstrip())
             for row in rows:
                 lines.append("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+        lines += self.doing_lines()
         return "\n".join(lines)
+
+    def doing_lines(self) -> list[str]:
+        """'rank 1 is at line 4 (`dist.all_reduce(x)`), waiting in ...' for each busy rank that says."""
+        return [f"rank {row.rank} is {row.doing}" for row in self.ranks if row.doing]
 
     def _repr_pretty_(self, printer, cycle) -> None:
         printer.text(str(self))
@@ -102,20 +109,28 @@ class LabStatus:
             for cells in self._rows()
         )
         table = f"<table><tr>{head}</tr>{body}</table>" if body else ""
-        return f"<div><b>{html.escape(self.headline())}</b>{table}</div>"
+        doing = "".join(f"<div>{html.escape(line)}</div>" for line in self.doing_lines())
+        return f"<div><b>{html.escape(self.headline())}</b>{table}{doing}</div>"
 
 
 def collect_status(session, timeout: float) -> LabStatus:
-    """Ask every rank who it is (bounded by ``timeout``); while a run trains, ask nobody."""
+    """Ask every idle rank who it is (bounded by ``timeout``); while a run trains, ask nobody.
+
+    Ranks busy with a cell (or ``lab.run``) would answer only when it ends: they are not asked, and
+    show where they are instead, as the cell's work reads it (``RankWork.whereabouts``)."""
     if session.cluster is None:
         return LabStatus(session.plan.describe(), running=False)
     cluster = session.cluster
     training = session.busy_with
+    work = session.foreground
+    busy = set(work.pending) if work is not None else set()
+    whereabouts = work.whereabouts if work is not None else {}
+    now = time.monotonic()
     # Only ranks that can answer are asked (a dropped engine cannot even be addressed).
     conditions = {rank: cluster.condition(rank) for rank in range(session.world_size)}
     pending = {} if training else {
         rank: cluster.engine(rank).apply_async(entry.identity)
-        for rank in range(session.world_size) if conditions[rank] is None
+        for rank in range(session.world_size) if conditions[rank] is None and rank not in busy
     }
     deadline = time.monotonic() + timeout
     rows = []
@@ -146,6 +161,8 @@ def collect_status(session, timeout: float) -> LabStatus:
                 threads=info["threads"] if info else None,
                 generation=info["generation"] if info else None,
                 coordinate=session.mesh_spec.coordinate(rank) if session.mesh_spec else None,
+                doing=describe_whereabouts(rank, whereabouts[rank], now) if state == "busy" and rank in whereabouts
+                else None,
             )
         )
     plan = session.plan.describe()

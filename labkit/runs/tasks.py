@@ -36,6 +36,7 @@ import signal
 import time
 
 from labkit.rank import entry
+from labkit.runs.recovery import stale_reason
 from labkit.runs.sources import notebook_sources
 from labkit.runs.task_results import LOST, TaskFailed, TaskRecord, TaskResults, on_rank
 from labkit.spec.errors import LabConfigError, LabError, format_ranks
@@ -280,10 +281,10 @@ def run_tasks(session, fn, items, timeout: float | None = None, retries: int | N
         results = queue.run()
     finally:
         session.release(queue)
-        if queue.replaced or any(record.state in ("failed", "cancelled") for record in queue.records):
-            # A replaced rank is not in the process group yet, and a rank whose task raised or was
-            # interrupted left it (so its peers were not kept waiting): one group for the next cell.
-            session.form_group()
+        if queue.replaced:
+            # A replaced rank is not in the process groups yet: the world is formed anew. A task that
+            # raised or was stopped leaves the groups as they are (tasks do not wait for each other).
+            session.form_group(stale_reason(session.generation, sorted(queue.replaced)))
     print(results.summary(), flush=True)
     failed = [record for record in results.records if record.state == "failed"]
     if failed:

@@ -24,7 +24,7 @@ from dataclasses import replace
 
 from labkit.rank import entry
 from labkit.runs.dispatch import RankWork, make_output
-from labkit.runs.healing import Interrupted, continuation, has_checkpoint
+from labkit.runs.healing import Interrupted, continuation, has_checkpoint, surviving_step
 from labkit.runs.budget import enforce_budget
 from labkit.spec.errors import LabConfigError, LabError
 from labkit.views.metrics import DEFAULT_THRESHOLD, MetricsTable
@@ -150,6 +150,11 @@ class TrainingRun:
                     if self.heals:
                         print(f"labkit: {self.heals[-1]}", flush=True)
                     self.error = error
+                    step = surviving_step(self.session)
+                    if step is not None:  # the ranks kept the run's state: resume=True continues it
+                        self.session.remember_training(self.config, step)
+                    else:
+                        self.session.last_training = None
                     self.session.remember_interrupted(Interrupted(
                         self.config, self.target_step, self.table.latest_step, self.background,
                         self.dashboard is not None, self.timeout, self.straggler_threshold))
@@ -304,9 +309,9 @@ def _continuation(session, settings: dict, mesh) -> tuple[dict, dict | None, int
     record = session.last_training
     if record is None:
         raise LabConfigError(
-            "there is no training run to resume: the lab has not trained since it started, or its process group "
-            "was rebuilt since (after a failure or a restart), which drops the ranks' training state. "
-            "Train without resume=True to start afresh."
+            "there is no training run to resume: the lab has not trained since it started, or its ranks formed "
+            "a new world since (a rank was replaced, or the lab restarted), or the last run was cut inside an "
+            "optimizer step or left the ranks at different steps. Train without resume=True to start afresh."
         )
     before = record.config
     kept = {name: value for name, value in before.as_dict().items() if name in user_settings()}

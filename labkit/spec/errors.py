@@ -5,7 +5,9 @@ that the cause stands first: ranks that raised (one traceback per distinct
 traceback), then ranks that hung and were interrupted, then ranks that only
 failed because a peer did (released from a collective), each with a line.
 The one-line summary names each distinct error with the first line of its
-message, so the cause can be read without scrolling to the tracebacks.
+message, so the cause can be read without scrolling to the tracebacks. Errors
+count as the same when they differ only in what differs by process (addresses,
+ports, ids: ``spec.error_text``); the lowest rank's text is the one shown.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 
+from labkit.spec.error_text import comparable, group_alike
 from labkit.spec.schema import FailureKind
 
 
@@ -101,12 +104,13 @@ SUMMARY_MESSAGE_CHARS = 200
 SUMMARY_MESSAGES = 3
 
 
-def _headline(message: str) -> str:
-    """The first non-empty line of an error message, shortened to fit a one-line summary."""
+def _first_line(message: str) -> str:
     lines = [line.strip() for line in (message or "").splitlines() if line.strip()]
-    if not lines:
-        return ""
-    line = lines[0]
+    return lines[0] if lines else ""
+
+
+def _headline(line: str) -> str:
+    """An error message's first line, shortened to fit a one-line summary."""
     if len(line) > SUMMARY_MESSAGE_CHARS:
         line = line[: SUMMARY_MESSAGE_CHARS - 3].rstrip() + "..."
     return line
@@ -114,18 +118,19 @@ def _headline(message: str) -> str:
 
 def _raised_parts(raised: dict[int, dict]) -> list[str]:
     """'ranks 0, 2 raised ValueError: boom' per distinct (type, first line), in rank order."""
-    by_cause = defaultdict(list)
+    causes = {}  # (type, first line as compared) -> [type, the lowest rank's headline, ranks]
     for rank, error in raised.items():
-        by_cause[(error["type"], _headline(error.get("message", "")))].append(rank)
-    shown = list(by_cause.items())[:SUMMARY_MESSAGES]
+        line = _first_line(error.get("message", ""))
+        causes.setdefault((error["type"], comparable(line, rank)), [error["type"], _headline(line), []])[2].append(rank)
+    causes = list(causes.values())
     # Ranks that each word their error differently (a rank number in it) would
     # make the summary a paragraph: beyond a few, fold them into one part per type.
     folded = defaultdict(list)
-    for (error_type, _), ranks in list(by_cause.items())[SUMMARY_MESSAGES:]:
+    for error_type, _, ranks in causes[SUMMARY_MESSAGES:]:
         folded[error_type].extend(ranks)
     parts = [
         f"{format_ranks(ranks)} raised {error_type}" + (f": {headline}" if headline else "")
-        for (error_type, headline), ranks in shown
+        for error_type, headline, ranks in causes[:SUMMARY_MESSAGES]
     ]
     parts += [f"{format_ranks(ranks)} raised {error_type} (other messages)" for error_type, ranks in folded.items()]
     return parts
@@ -155,8 +160,11 @@ class RankFailure(LabError):
         interrupted: bool = False,
         replaced: tuple[int, ...] = (),
         recovery: str = "",
+        deadlock: str = "",
     ) -> None:
+        """``deadlock``: the deadlock that made the work fail (``runs.deadlock``), told first."""
         self.reports = dict(sorted(reports.items()))
+        self.deadlock = deadlock
         self.timed_out = timed_out
         self.timeout_seconds = timeout_seconds
         self.interrupted = interrupted
@@ -260,20 +268,19 @@ class RankFailure(LabError):
             parts.append(f"{format_ranks(finished)} finished while the others waited in a collective: "
                          f"{'it' if len(finished) == 1 else 'they'} skipped a collective (or called fewer) "
                          f"that {format_ranks(waited)} called")
-        return "; ".join(parts) or "work failed on some ranks"
+        said = "; ".join(parts) or "work failed on some ranks"
+        return f"{self.deadlock.splitlines()[0]}; {said}" if self.deadlock else said
 
     def details(self) -> str:
-        """Every distinct traceback once, with the ranks that share it."""
-        blocks = []
-        by_traceback = defaultdict(list)
-        for rank, error in self.raised.items():
-            by_traceback[error["traceback"]].append(rank)
-        for text, ranks in by_traceback.items():
-            blocks.append(f"--- {format_ranks(ranks)} ---\n{text.rstrip()}")
-        by_death = defaultdict(list)  # ranks that died the same way: one explanation
-        for rank, error in self.died.items():
-            by_death[error["message"]].append(rank)
-        for message, ranks in by_death.items():
+        """Every distinct traceback once, with the ranks that share it (after the deadlock, if one)."""
+        blocks = self.deadlock.splitlines()[1:]
+        for ranks, text, exact in group_alike({rank: error["traceback"] for rank, error in self.raised.items()}):
+            # Say so when the others' copies were not to the letter the same, so no one hunts for them.
+            others = "the others differ only in addresses, ports, ids and such"
+            shown = "" if exact else f" (rank {ranks[0]}'s shown; {others})"
+            blocks.append(f"--- {format_ranks(ranks)}{shown} ---\n{text.rstrip()}")
+        # Ranks that died the same way: one explanation.
+        for ranks, message, _ in group_alike({rank: error["message"] for rank, error in self.died.items()}):
             blocks.append(f"--- {format_ranks(ranks)} (died) ---\n{message}")
         by_place = defaultdict(list)
         for rank, error in self.hung.items():
@@ -281,12 +288,11 @@ class RankFailure(LabError):
         for place, ranks in by_place.items():
             where = f" while in {place}" if place else ""
             blocks.append(f"--- {format_ranks(ranks)} (interrupted{where}) ---")
-        by_message = defaultdict(list)
-        for rank, error in self.released.items():
-            by_message[f"{error['type']}: {_plain_message(error['message'])}"].append(rank)
+        released = {rank: f"{error['type']}: {_plain_message(error['message'])}"
+                    for rank, error in self.released.items()}
         causes = self.causes
         consequence = f": a consequence of {format_ranks(causes)}, not a cause" if causes else ""
-        for message, ranks in by_message.items():
+        for ranks, message, _ in group_alike(released):
             blocks.append(f"--- {format_ranks(ranks)} (released from a collective{consequence}) ---\n{message}")
         if self.recovery:
             blocks.append(self.recovery)

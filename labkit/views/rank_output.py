@@ -77,6 +77,7 @@ class LiveOutput:
         self._handle = None
         self._last_draw = 0.0
         self._dirty = False
+        self._note = ""  # one line under the output while work runs (a rank stuck in a collective)
 
     def update(self, rank: int, stdout: str, stderr: str) -> None:
         new_out, new_err = self.texts.update(rank, stdout, stderr)
@@ -99,13 +100,26 @@ class LiveOutput:
         from IPython.display import display
 
         out, err = self.texts.render()
-        text = out + err
+        text = out + err + (f"labkit: {self._note}\n" if self._note else "")
         if self._handle is None:
             # Created empty so a notebook's saved output does not depend on timing.
             self._handle = display({"text/plain": ""}, raw=True, display_id=True)
         self._handle.update({"text/plain": text}, raw=True)
         self._last_draw = now
         self._dirty = False
+
+    def note(self, text: str) -> None:
+        """Show ``text`` as one line under the output, redrawn in place ('' removes it). A terminal
+        cannot redraw: it gets the line once, when it appears."""
+        if self.silent or text == self._note:
+            return
+        appeared = text and not self._note
+        self._note = text
+        if self.in_kernel:
+            self._dirty = True
+            self._redraw()
+        elif appeared:
+            print(f"labkit: {text}", file=sys.stderr, flush=True)
 
     def tick(self) -> None:
         """Called while waiting: draw pending text once the redraw interval passed."""
@@ -118,6 +132,7 @@ class LiveOutput:
             return
         if not self.show_values:
             self.texts.forget_results()
+        self._note = ""  # the work ended: nothing waits any more
         if self.in_kernel:
             if self._handle is not None:
                 self._handle.update({"text/plain": ""}, raw=True)

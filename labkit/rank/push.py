@@ -1,0 +1,75 @@
+"""Inside a rank: take in what the notebook pushed (``lab.push``, packed by ``labkit.runs.push``).
+
+This module runs in the engines. The items come in the order the notebook packed them
+(modules; values and functions; classes, a base before the classes made from it; values that
+hold instances of the notebook's classes). Each is built into a staging dict, and the rank's
+namespace changes only once every one is built: a push that fails here (a module this rank
+cannot import, a class statement that raises) leaves the namespace as it was.
+
+- a module is imported by name;
+- a class statement is run with the namespace as its globals (its methods see the rank's
+  names when they run) and what this push built before it in reach (its bases, decorators);
+- a value is unpickled; inside it, the notebook's functions are rebuilt with the namespace as
+  their globals (as ipyparallel rebuilds ``lab.run``'s), its classes found by name in this
+  push or the namespace, modules imported.
+"""
+
+from __future__ import annotations
+
+import importlib
+import io
+import pickle
+from collections import ChainMap
+
+_MISSING = object()
+
+
+def receive(items: list[dict], namespace: dict) -> list[str]:
+    """Build every item, then put them all into ``namespace`` at once; the names put there."""
+    staged: dict = {}
+    for item in items:
+        staged[item["name"]] = build(item, namespace, staged)
+    namespace.update(staged)
+    return list(staged)
+
+
+def build(item: dict, namespace: dict, staged: dict):
+    how = item["how"]
+    if how == "module":
+        return importlib.import_module(item["module"])
+    if how == "class":
+        made: dict = {}
+        try:  # the names the statement reads (bases, decorators) come from this push first, then the namespace
+            exec(compile(item["source"], item["cell"], "exec"), namespace, ChainMap(made, staged))
+        except NameError as error:
+            missing = error.name or "a name"
+            raise NameError(f"the class statement of {item['name']} needs {missing}, which this rank does not "
+                            f"have: push it too (lab.push({missing}={missing}, {item['name']}={item['name']})), "
+                            "or import it in a %%lab cell first", name=error.name) from error
+        return made[item["class_name"]]
+    return PushedUnpickler(item, namespace, staged).load()
+
+
+class PushedUnpickler(pickle.Unpickler):
+    """Reads a pushed value; resolves what ``runs.push.NotebookPickler`` left out of the pickle."""
+
+    def __init__(self, item: dict, namespace: dict, staged: dict) -> None:
+        super().__init__(io.BytesIO(item["data"]))
+        self.name = item["name"]
+        self.namespace = namespace
+        self.staged = staged
+
+    def persistent_load(self, pid):
+        kind, what = pid
+        if kind == "module":
+            return importlib.import_module(what)
+        if kind == "function":  # a CannedFunction: its globals become the namespace, as in lab.run
+            return what.get_object(self.namespace)
+        head, _, rest = what.partition(".")
+        found = self.staged.get(head, self.namespace.get(head, _MISSING))
+        if found is _MISSING:
+            raise NameError(f"{self.name} holds an instance of {what}, a class the notebook defined, and this rank "
+                            f"has no {head}: push it too, e.g. lab.push({head}={head}, {self.name}={self.name})")
+        for part in rest.split(".") if rest else ():
+            found = getattr(found, part)
+        return found
