@@ -202,8 +202,7 @@ class Session:
         return self.timeout if timeout is None else positive_seconds("timeout", timeout)
 
     def targets(self, ranks) -> list[int]:
-        """The ranks ``ranks`` names (None: all, one rank number, or a list of them), checked against the
-        world now."""
+        """The ranks ``ranks`` names (None: all, a rank number, or a list of them), checked against the world."""
         return chosen_ranks(ranks, self.world_size)
 
     def begin(self, ranks, work_entry, args, limit: float, output, on_tick=None, on_interrupt=None) -> RankWork:
@@ -346,9 +345,10 @@ class Session:
         self.last_training = None  # the ranks' training state lived on the old groups
         limit = self.start_timeout
         cluster = self.require_running()
-        # Every rank lets go of the old groups before any builds the new world: a rank still closing its
-        # old connections while its peers connect anew must not see them cross.
-        held = dict(enumerate(self.call(range(self.world_size), entry.leave_groups, (reason,), limit)))
+        # Every rank lets go of the old groups before any builds the new world (a rank closing its old
+        # connections while its peers connect anew broke the new groups); a first world has none.
+        held = {} if self.generation == 1 else dict(enumerate(self.call(range(self.world_size), entry.leave_groups,
+                                                                        (reason,), limit)))
         store_host, store_port = self.call([0], entry.open_store, (limit,), limit)[0]
         places = {engine: {"rank": rank, "world_size": self.world_size, "store_host": store_host,
                            "store_port": store_port} for rank, engine in cluster.engine_of.items()}

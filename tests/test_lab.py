@@ -86,6 +86,19 @@ def test_exception_on_one_rank_releases_the_others(lab):
     assert lab.run_cell("x = torch.ones(1)\ndist.all_reduce(x)\nx.item()", live=False) == ["4.0"] * 4
 
 
+def test_a_rank_killed_while_four_train_fails_the_run_in_seconds(lab):
+    # Four ranks in a ring: only rank 1's neighbours see its sockets close; the others wait on them.
+    run = lab.train("ddp", "mlp", steps=100_000, log_every=100_000, background=True)
+    while run.table.latest_step is None or run.table.latest_step < 3:
+        time.sleep(0.05)
+    began = time.monotonic()
+    lab.kill(1)
+    with pytest.raises(RankFailure):
+        run.wait(60)
+    assert time.monotonic() - began < 10  # not the 30 s limit
+    assert lab.run(lambda: 1) == [1] * 4
+
+
 def test_hung_rank_is_released_by_the_timeout(lab):
     began = time.monotonic()
     with pytest.raises(RankTimeout) as caught:

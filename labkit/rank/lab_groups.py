@@ -175,7 +175,6 @@ class LabGroups:
         """Per live group: its ranks, operations issued, collectives, what is in flight and waited for."""
         return {recipe.name: {"ranks": list(recipe.ranks), "issued": handle.issued,
                               "collectives": handle.collectives,
-                              "in_flight": [[sequence, kind, nbytes, since]
-                                            for sequence, (kind, nbytes, since) in list(handle.in_flight.items())],
+                              "in_flight": [list(item) for item in handle.pending()],
                               "waiting": handle.waiting}
                 for handle, recipe in list(self.handles.items()) if handle.stale is None}

@@ -80,6 +80,8 @@ class TimedWork(dist.Work):
                 group.waiting = None
         if self.on_done is not None:
             self.on_done()
+        elif group is not None:
+            group.in_flight.pop(self.sequence, None)  # completed: nothing told the group otherwise
         return result
 
     def is_completed(self) -> bool:
@@ -116,7 +118,7 @@ class TimedGroup(dist.ProcessGroup):
     that cannot come back is ``retire``d, after which every operation raises
     ``StaleGroupError`` with the reason. It counts what it issued (``issued``, the
     sequence number of the latest operation), keeps what has not completed
-    (``in_flight``: sequence -> kind, bytes, when) and which operation a thread
+    (``pending()``: sequence, kind, bytes, when) and which operation a thread
     waits for (``waiting``): how the notebook tells an intact group from a cut one.
     """
 
@@ -127,7 +129,7 @@ class TimedGroup(dist.ProcessGroup):
         self.link = link
         self.issued = 0
         self.collectives = 0  # operations every member takes part in (not send/recv): equal on all members
-        self.in_flight: dict[int, tuple[str, int, float]] = {}
+        self.in_flight: dict[int, tuple] = {}  # sequence -> (kind, bytes, issued at, work)
         self.waiting: int | None = None
         self.stale: str | None = None
         self._backend_name = inner.name()
@@ -176,7 +178,7 @@ class TimedGroup(dist.ProcessGroup):
 
     def _issue(self, kind: str, nbytes: int, call, tensors, *args, **kwargs):
         """``call``: the name of ``inner``'s method (given ``tensors, *args, **kwargs``), or ``f(inner, tensors)``."""
-        self._live()
+        inner = self._live()
         recorder = self.recorder
         token = recorder.issued(_device_type(tensors))
         self.issued += 1
@@ -184,14 +186,15 @@ class TimedGroup(dist.ProcessGroup):
         if kind not in _POINT_TO_POINT:
             self.collectives += 1
         in_flight = self.in_flight
-        in_flight[sequence] = (kind, nbytes, time.time())
+        if len(in_flight) > _IN_FLIGHT_PRUNE_AT:
+            self.pending()
+        work = getattr(inner, call)(tensors, *args, **kwargs) if isinstance(call, str) else call(inner, tensors)
+        in_flight[sequence] = (kind, nbytes, time.time(), work)
 
         def done(_=None) -> None:
             in_flight.pop(sequence, None)
             recorder.completed(kind, nbytes, token)
 
-        inner = self._live()
-        work = getattr(inner, call)(tensors, *args, **kwargs) if isinstance(call, str) else call(inner, tensors)
         if self.link is not None:  # a simulated slow link: the work completes when the link has carried it
             slowed = self.link.slow(work, kind, nbytes, self.size(), recorder, token, tensors,
                                     on_done=lambda: in_flight.pop(sequence, None))
@@ -201,8 +204,24 @@ class TimedGroup(dist.ProcessGroup):
             future = work.get_future()
         except RuntimeError:  # p2p work has no future: its wait() marks completion
             return TimedWork(work, recorder, done, self, sequence)
-        future.then(done)
+        if not getattr(recorder, "quiet", False):
+            # Measured: the recorder needs the moment it completed. A Python callback on the backend's
+            # thread costs about a millisecond per collective on a busy machine, so unmeasured groups
+            # learn completion from the wait, or by asking the work (``pending``).
+            future.then(done)
         return TimedWork(work, recorder, None, self, sequence)
+
+    def pending(self) -> list[tuple[int, str, int, float]]:
+        """(sequence, kind, bytes, issued at) of every operation not completed yet; forgets the completed."""
+        in_flight = self.in_flight
+        for sequence, (_, _, _, work) in list(in_flight.items()):
+            try:
+                completed = work.is_completed()
+            except Exception:  # noqa: BLE001 - a work of a cut group: it will never complete
+                completed = False
+            if completed:
+                in_flight.pop(sequence, None)
+        return [(sequence, kind, nbytes, since) for sequence, (kind, nbytes, since, _) in list(in_flight.items())]
 
     # -- collectives --------------------------------------------------------
 
@@ -297,6 +316,7 @@ class TimedGroup(dist.ProcessGroup):
 
 
 _POINT_TO_POINT = frozenset({"send", "recv"})
+_IN_FLIGHT_PRUNE_AT = 32  # operations kept before completed ones are looked for (async work nobody waits for)
 
 
 def _backend_type(group):

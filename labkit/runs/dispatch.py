@@ -191,6 +191,14 @@ class RankWork:
         if self._deadlock_groups is not None:
             self._release(states)  # ranks that stop or wait since are released too
             return
+        if any(report.get("error", {}).get("kind") in (FailureKind.DIED, FailureKind.COLLECTIVE)
+               for report in self.reports.values()):
+            # A rank died, or a collective failed under one: its groups are cut, and whoever waits in
+            # one of them waits for nothing. Everyone in a collective is released, now and from now on.
+            self._deadlock_groups = set()
+            self.released = True
+            self._release(states)
+            return
         found = None
         if states:
             found = self._watch.check(states, self.reports, self._absent(states), self.ranks, list(self.pending),
