@@ -60,6 +60,10 @@ class FakeSession:
     def failure(self, work, reports, timeout):
         return RuntimeError("rank 1 raised ZeroDivisionError: division by zero")
 
+    def call(self, ranks, function, args, timeout):
+        """Where the ranks' training state stands after the failure: rank 1 lost its state."""
+        return [{"step": 3, "updating": False, "formation": 1, "current": True}, None]
+
 
 def finished_run(reports, failed=False):
     config = resolve(2, strategy="ddp", model="mlp", steps=3, global_batch=8)

@@ -116,8 +116,7 @@ class LabGroups:
         world = WorldGroup(self._build(recipe, world=True), QuietRecorder(), self.link, self)
         world._set_group_name(recipe.name)
         world._set_group_desc("default_pg")
-        torch_internals.install_world(world, self.backend, self._generation_store(),
-                                      str(dist.distributed_c10d.BackendConfig(dist.Backend(self.backend))))
+        torch_internals.install_world(world, self.backend, self._generation_store())
         self.world = world
         self.handles = {world: recipe}
         return world

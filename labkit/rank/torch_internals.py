@@ -154,10 +154,11 @@ def register_group(group, name: str, backend: str, store, backend_config: str, r
                                backend_config=backend_config, rank_mapping=rank_mapping, add_to_default_tag=True)
 
 
-def install_world(group, backend: str, store, backend_config: str) -> None:
+def install_world(group, backend: str, store) -> None:
     """Make ``group`` torch's default (world) group, registered as ``init_process_group`` registers it.
 
     Its name is a number, as torch's are; the groups made after it are numbered from there on every rank."""
+    backend_config = str(c10d.BackendConfig(dist.Backend(backend)))
     register_group(group, group.group_name, backend, store, backend_config, {i: i for i in range(group.size())})
     c10d._update_default_pg(group)
     c10d._world.group_count = int(group.group_name) + 1
