@@ -108,9 +108,8 @@ class LabGroups:
                              if pair[0][1] not in kept and pair[1][1] not in kept}
         return raw
 
-    def form(self, store, generation: int, rank: int, world_size: int, timeout, reason: str) -> WorldGroup:
-        """A new world of ``world_size`` ranks on ``store``; the handles of before fail with ``reason``."""
-        self.retire(reason)
+    def form(self, store, generation: int, rank: int, world_size: int, timeout) -> WorldGroup:
+        """A new world of ``world_size`` ranks on ``store``, after ``retire`` retired the handles of before."""
         self.store, self.generation, self.timeout, self._rank = store, generation, timeout, rank
         recipe = GroupRecipe(world_name(generation), tuple(range(world_size)), "default_pg")
         world = WorldGroup(self._build(recipe, world=True), QuietRecorder(), self.link, self)
@@ -133,8 +132,10 @@ class LabGroups:
         return handle
 
     def reconfigure(self, generation: int, timeout) -> int:
-        """Every live handle gets its group of generation ``generation`` (same ranks, same names); how many."""
-        self.release()
+        """Every live handle gets its group of generation ``generation`` (same ranks, same names); how many.
+
+        Every rank has released its old connections first (``Session.rebuild_group``): a rank closing them
+        while its peers connect anew would break the new groups."""
         self.connections = set()
         self.generation, self.timeout = generation, timeout
         self.handles = {handle: recipe for handle, recipe in self.handles.items() if handle.stale is None}

@@ -180,8 +180,7 @@ class RankRuntime(RankContext):
         host, port = place["store_host"], int(place["store_port"])
         if self.rank != 0 or self.store is None:
             self.store = dist.TCPStore(host, port, self.world_size, False, timeout=timedelta(seconds=timeout_seconds))
-        self.groups.form(self.store, generation, self.rank, self.world_size, timedelta(seconds=timeout_seconds),
-                         reason="")
+        self.groups.form(self.store, generation, self.rank, self.world_size, timedelta(seconds=timeout_seconds))
         self.generation = self.formation = generation
         # What torchrun would have set; the rendezvous address changes with every generation.
         os.environ.update(torchrun_environment(self.rank, self.world_size, host, port, local_rank=self.local_rank,

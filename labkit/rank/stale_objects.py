@@ -9,6 +9,8 @@ rank by rank, instead of leaving the user to find out from the first error.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 # Names the lab itself puts in a rank's namespace (the lab rebuilds its own mesh).
@@ -24,10 +26,10 @@ def _kind(value) -> str | None:
         return "DistributedDataParallel"
     if isinstance(value, dist.ProcessGroup):
         return "process group"
-    mesh_module = __import__("sys").modules.get("torch.distributed.device_mesh")
+    mesh_module = sys.modules.get("torch.distributed.device_mesh")
     if mesh_module is not None and isinstance(value, mesh_module.DeviceMesh):
         return "DeviceMesh"
-    tensor_module = __import__("sys").modules.get("torch.distributed.tensor")
+    tensor_module = sys.modules.get("torch.distributed.tensor")
     if tensor_module is None:
         return None
     if isinstance(value, tensor_module.DTensor):

@@ -138,14 +138,13 @@ def forget_registration(group) -> None:
     name = world.pg_names.get(group)
     for table in (*_WORLD_TABLES, "pg_backend_config", "pg_coalesce_state"):
         getattr(world, table).pop(group, None)
-    tag = world.pg_to_tag.pop(group, None)
+    world.pg_to_tag.pop(group, None)
     for tagged in world.tags_to_pg.values():
         if group in tagged:
             tagged.remove(group)
     if name is not None:
         with contextlib.suppress(Exception):  # registered under another name, or not at all
             c10d_native._unregister_process_group(name)
-    del tag
 
 
 def register_group(group, name: str, backend: str, store, backend_config: str, rank_mapping: dict) -> None:
