@@ -56,14 +56,16 @@ def test_a_step_row_from_events_adds_up(recorder):
     token = recorder.issued("cuda")
     assert recorder.issued("cpu") is None  # the lab's own CPU traffic is not the model's
     time.sleep(0.004)
-    recorder.completed("all_reduce", 4096, token)
-    with recorder.waiting():  # a Work.wait() of the compute stream
+    with recorder.waiting():  # a Work.wait() of the compute stream, for that all-reduce
         time.sleep(0.010)
+        recorder.completed("all_reduce", 4096, token)
     model = torch.nn.Linear(4, 1)
     loss = model(torch.ones(8, 4)).pow(2).mean()
+    last_bucket = recorder.issued("cuda")
     with recorder.backward_watch(loss):  # the end of backward, where DDP and FSDP wait
         loss.backward()
         time.sleep(0.005)  # stands for a reducer's final wait, inside backward()
+        recorder.completed("all_reduce", 4096, last_bucket)
     time.sleep(0.003)
     recorder.end_step(samples=8, tokens=None, loss=loss.detach(), delay=0.0)
     recorder.finish()
@@ -71,7 +73,7 @@ def test_a_step_row_from_events_adds_up(recorder):
     assert row["rank"] == 3 and row["step"] == 0 and row["loss"] == pytest.approx(float(loss.detach()))
     assert row["compute"] + row["exposed_comm"] == pytest.approx(row["seconds"])
     assert 0.015 <= row["exposed_comm"] < row["seconds"]  # both wait regions, not the rest
-    assert row["comm"]["all_reduce"] >= 0.004 and row["bytes"] == {"all_reduce": 4096}
+    assert row["comm"]["all_reduce"] >= 0.014 and row["bytes"] == {"all_reduce": 8192}
     (entry,) = recorder.timeline
     assert [busy for *_, busy in entry["busy"]].count(0.0) == 2
 

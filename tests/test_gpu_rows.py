@@ -7,7 +7,7 @@ the same row a CPU rank makes; these tests feed it times by hand.
 import pytest
 
 from labkit.spec.device_peaks import peak_tflops
-from labkit.rank.gpu_recorder import assemble_row, union_length
+from labkit.rank.gpu_recorder import assemble_row, exposed_regions, union_length
 from labkit.zoo.configs import GPTConfig, MLPConfig
 from labkit.zoo.models import MLP, TinyGPT
 from labkit.spec.train_config import resolve
@@ -47,9 +47,34 @@ def test_compute_and_exposed_communication_add_up_to_the_step():
 
 
 def test_a_step_that_only_waits_is_all_exposed():
-    times = {"start": 0.0, "end": 0.02, "origin_wall": 0.0, "regions": [(-1.0, 1.0)], "collectives": []}
+    times = {"start": 0.0, "end": 0.02, "origin_wall": 0.0, "regions": [(-1.0, 1.0)],
+             "collectives": [("all_reduce", 64, -1.0, 1.0)]}
     row, _ = assemble_row(STEP, times)
     assert row["exposed_comm"] == pytest.approx(0.02) and row["compute"] == pytest.approx(0.0)
+
+
+def test_a_wait_bracket_counts_only_until_what_it_waited_for_completed():
+    # FSDP's pre-forward bracket: 1 ms waiting for the all-gather, then 3 ms copying the gathered
+    # parameters out on the same stream (compute). DDP's end of backward: 2 ms for the last bucket,
+    # then 5 ms copying buckets into the gradients.
+    times = {
+        "start": 0.0, "end": 0.050, "origin_wall": 0.0,
+        "regions": [(0.010, 0.014), (0.040, 0.047)],
+        "collectives": [("all_gather", 1024, 0.009, 0.011), ("all_reduce", 4096, 0.030, 0.042)],
+    }
+    row, entry = assemble_row(STEP, times)
+    assert row["exposed_comm"] == pytest.approx(0.003)
+    assert sum(b - a for a, b, busy in entry["busy"] if busy == 0.0) == pytest.approx(0.003)
+    assert exposed_regions(times["regions"], times["collectives"]) == [(0.010, pytest.approx(0.011)),
+                                                                      (0.040, pytest.approx(0.042))]
+
+
+def test_a_wait_for_work_already_done_exposes_nothing():
+    # One GPU: FSDP's all-gather of one rank ends before the layer asks for it; only the copy-out is left.
+    times = {"start": 0.0, "end": 0.020, "origin_wall": 0.0, "regions": [(0.010, 0.013)],
+             "collectives": [("all_gather", 1024, 0.002, 0.004)]}
+    row, _ = assemble_row(STEP, times)
+    assert row["exposed_comm"] == 0.0 and row["compute"] == pytest.approx(0.020)
 
 
 def test_parameter_counts_and_flops_follow_the_models():

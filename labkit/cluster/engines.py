@@ -33,6 +33,10 @@ class RankRecord:
     host: str
     slot: str  # "rank3" (hosted), "set:ranks2" (another launcher's engine set), "joined"
     engine_set: str | None  # the launcher's engine set; None for a joined engine
+    gpus: int = 0  # how many GPUs its process saw when it registered (``entry.describe_engine``)
+    # Those GPUs as its engine names them; None where the engine did not say (an older labkit): its
+    # host is then checked by count alone.
+    gpu_ids: tuple[str, ...] | None = None
 
     @property
     def joined(self) -> bool:
@@ -115,19 +119,24 @@ def assign(cluster, found: list[tuple[int, dict]], ranks: list[int], deadline: f
 
     The ranks that were already there keep their numbers; their new world size
     reaches them when the process group forms next."""
+    placed = {}
     for (engine, info), rank in zip(found, ranks):
         if info.get("install_error"):
             raise StartupError(f"the engine on {info['host']} (pid {info['pid']}) could not load labkit's rank "
                                f"code:\n{info['install_error']}")
-        cluster.records[rank] = RankRecord(engine, info["pid"], info["host"], info["slot"],
-                                           engine_set_of(info))
-    world = sorted(cluster.records)
+        ids = info.get("gpu_ids")
+        placed[rank] = RankRecord(engine, info["pid"], info["host"], info["slot"], engine_set_of(info),
+                                  info.get("gpus", 0), None if ids is None else tuple(str(gpu) for gpu in ids))
+    records = {**cluster.records, **placed}
+    world = sorted(records)
     if world != list(range(len(world))):
         raise LabError(f"the ranks are not numbered 0..{len(world) - 1}: {world}")
-    gpus = {engine: info["gpus"] for engine, info in found}
-    check_host_places(cluster.plan.backend, [cluster.records[rank].host for rank in ranks],
-                      [gpus[cluster.records[rank].engine] for rank in ranks], cluster.plan.ranks_per_host,
-                      pinned=cluster.launcher.on_this_machine)
+    # The whole world, whatever launched each rank: a joined or healed rank's GPU is its number among
+    # every rank on its host, so checking the new ranks alone would let one past its host's GPUs.
+    check_host_places(cluster.plan.backend, [records[rank].host for rank in world],
+                      [records[rank].gpus for rank in world], cluster.plan.ranks_per_host,
+                      [records[rank].gpu_ids for rank in world])
+    cluster.records.update(placed)  # only a world that fits: refused engines stay unassigned
     ports = controller_ports(cluster.engine_connection())
     hosts = [cluster.records[rank].host for rank in world]
     settings = {rank: cluster.plan.settings(rank, len(world), *place, controller_ports=ports)

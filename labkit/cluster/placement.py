@@ -258,13 +258,107 @@ def host_layout(hosts: list[str]) -> list[tuple[int, int, int, int]]:
     return layout
 
 
+def gpu_index(local_rank: int, gpus_shown: int | None) -> int:
+    """The CUDA device index a nccl rank (or a torchrun-started process) uses: the rule in one place.
+
+    The LOCAL_RANK-th of the GPUs its process sees, as torchrun places ranks; but a process shown
+    exactly one GPU (as some schedulers show each process its own) has only cuda:0.
+    ``gpus_shown``: how many CUDA_VISIBLE_DEVICES lists, None where it is unset (then the process sees
+    all its host's GPUs, and ``check_host_places`` has kept ``local_rank`` below their count).
+    """
+    return 0 if gpus_shown == 1 else local_rank
+
+
+def gpus_shown(environ=os.environ) -> int | None:
+    """How many GPUs CUDA_VISIBLE_DEVICES shows this process; None where it is unset (all of them)."""
+    return None if environ.get("CUDA_VISIBLE_DEVICES") is None else len(visible_gpus(environ))
+
+
 def check_host_places(backend: str, hosts: list[str], gpus_seen: list[int], ranks_per_host: int | None,
-                      pinned: bool) -> None:
-    """Refuse a placement nccl cannot run: more ranks on a host than ``ranks_per_host``, or than its GPUs."""
-    for rank, ((local, count, _, _), host, gpus) in enumerate(zip(host_layout(hosts), hosts, gpus_seen)):
-        if ranks_per_host is not None and count > ranks_per_host:
-            raise DeviceError(f"host {host} has {count} ranks, ranks_per_host is {ranks_per_host}: start fewer "
-                              "ranks there (the launcher's own options place them) or raise ranks_per_host")
-        if backend == "nccl" and not pinned and local >= gpus:
-            raise DeviceError(f"rank {rank} is rank {local} on host {host}, which shows {_count(gpus, 'GPU')}: "
-                              "nccl runs one rank per GPU; start at most one rank per GPU on each host")
+                      gpu_ids: list[tuple[str, ...] | None] | None = None) -> None:
+    """Refuse a world the ranks cannot run in, before any of them is told its place.
+
+    ``hosts``, ``gpus_seen`` and ``gpu_ids`` hold every rank of the world, old and new, in rank order:
+    a rank's local number, and so its GPU, depends on every rank before it on its host, whoever
+    launched them. ``gpu_ids``: the GPUs each rank's process sees, as its engine names them
+    (``entry.describe_engine``), or None for a rank whose engine did not say (an older labkit).
+    Refused: more ranks on a host than ``ranks_per_host``; for nccl, two ranks on a host that would
+    use the same GPU (nccl refuses that deep inside the first collective), or a rank whose GPU
+    (``gpu_index``) is past those its own process sees. A host with a rank of unknown GPUs is also
+    held to the count rule: no more ranks than the most GPUs any of its engines shows.
+    """
+    local_ranks = [local for local, *_ in host_layout(hosts)]
+    known = [None] * len(hosts) if gpu_ids is None else gpu_ids
+    on_host: dict[str, list[int]] = {}
+    for rank, host in enumerate(hosts):
+        on_host.setdefault(host, []).append(rank)
+    for host, ranks in on_host.items():
+        if ranks_per_host is not None and len(ranks) > ranks_per_host:
+            raise DeviceError(f"host {host} has {_count(len(ranks), 'rank')} ({_rank_list(ranks)}), ranks_per_host "
+                              f"is {ranks_per_host}: start fewer ranks there (the launcher's own options place them) "
+                              "or raise ranks_per_host")
+        if backend != "nccl":
+            continue
+        if any(known[rank] is None for rank in ranks):
+            _check_by_count(host, ranks, local_ranks, gpus_seen)
+        # Ranks that named their GPUs are checked by the GPU each will use, even beside one that did not.
+        named = {rank: known[rank] for rank in ranks if known[rank] is not None}
+        _check_by_identity(host, named, local_ranks, len(ranks))
+
+
+def _check_by_count(host: str, ranks: list[int], local_ranks: list[int], gpus_seen: list[int]) -> None:
+    """The rule for engines that report only how many GPUs they see: a rank per GPU the host shows.
+
+    It cannot tell engines shown each its own GPU from engines sharing one, so it refuses both."""
+    # The most any of its engines shows: an engine narrowed by CUDA_VISIBLE_DEVICES sees fewer.
+    gpus = max(gpus_seen[rank] for rank in ranks)
+    if len(ranks) > gpus:
+        raise DeviceError(f"host {host} shows {_count(gpus, 'GPU')} and {_count(len(ranks), 'rank')} would be "
+                          f"placed there ({_rank_list(ranks)}): nccl runs one rank per GPU. Start at most "
+                          f"{_count(gpus, 'rank')} there (stop the extra engines, or join from a host with a free "
+                          "GPU), or use backend='gloo'")
+    for rank in ranks:
+        local, shown = local_ranks[rank], gpus_seen[rank]
+        # The engine reported what it sees, not whether CUDA_VISIBLE_DEVICES narrowed it; the two differ
+        # only for a host of one GPU left unnarrowed, and that host holds local rank 0 alone (above).
+        if gpu_index(local, shown) >= shown:
+            raise DeviceError(f"rank {rank} would be rank {local} on host {host} and use cuda:{local}, but its "
+                              f"process sees {_count(shown, 'GPU')} (host {host} shows {_count(gpus, 'GPU')}, "
+                              f"{_count(len(ranks), 'rank')} placed there): give every engine on a host the same "
+                              "CUDA_VISIBLE_DEVICES, or each its own single GPU")
+
+
+def _check_by_identity(host: str, named: dict[int, tuple[str, ...]], local_ranks: list[int], placed: int) -> None:
+    """The rule for engines that name their GPUs: each rank's own GPU, no two ranks of ``host`` on one.
+
+    ``named``: rank -> the GPUs its process sees, in CUDA's order; ``placed``: every rank on the host."""
+    taken: dict[str, tuple[int, int]] = {}  # GPU -> (the rank using it, its cuda index there)
+    for rank, seen in named.items():
+        local = local_ranks[rank]
+        # As for counts, a process seeing one GPU is taken as narrowed to it; were it a host of one GPU
+        # left unnarrowed, a second rank there would pick that same GPU here and be refused below, as it
+        # must be (it would ask for cuda:1, which is not there).
+        index = gpu_index(local, len(seen))
+        if index >= len(seen):
+            listed = f" ({', '.join(seen)})" if seen else ""
+            raise DeviceError(f"rank {rank} would be rank {local} on host {host} and use cuda:{index}, but its "
+                              f"process sees {_count(len(seen), 'GPU')}{listed} (host {host} holds "
+                              f"{_count(placed, 'rank')}): show every engine there the same CUDA_VISIBLE_DEVICES with "
+                              "a GPU per rank, or each engine its own single GPU, or start fewer ranks there")
+        gpu = seen[index]
+        # GPUs are compared as written. CUDA_VISIBLE_DEVICES may name one by index ("1") or by UUID
+        # ("GPU-…", "MIG-…"), and which index a UUID is cannot be known without asking the driver: the
+        # same GPU spelled both ways on one host reads as two GPUs and is not refused here. An engine
+        # not narrowed names its GPUs "0".."n-1", CUDA's own indexes, which compare with indexes listed.
+        if gpu in taken:
+            other, other_index = taken[gpu]
+            raise DeviceError(f"ranks {other} and {rank} on host {host} would both use GPU {gpu} (rank {other} "
+                              f"as its cuda:{other_index}, rank {rank} as its cuda:{index}): nccl runs one rank "
+                              f"per GPU. Show each engine on host {host} a GPU of its own (CUDA_VISIBLE_DEVICES, "
+                              "or the scheduler's one GPU per task), start fewer ranks there, or use "
+                              "backend='gloo'")
+        taken[gpu] = (rank, index)
+
+
+def _rank_list(ranks: list[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(str(rank) for rank in ranks)

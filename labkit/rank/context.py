@@ -13,6 +13,8 @@ import os
 import torch
 import torch.distributed as dist
 
+from labkit.cluster.placement import gpu_index, gpus_shown
+from labkit.rank import torch_internals
 from labkit.rank.recorder import recorder_for
 from labkit.rank.slow_link import LinkState, QuietRecorder
 from labkit.rank.timed_group import instrument_mesh
@@ -50,6 +52,9 @@ class RankContext:
             backend = dist.get_backend()
             mesh = init_device_mesh(self.device.type, key[0], mesh_dim_names=key[1],
                                     backend_override={name: backend for name in key[1]})
+            groups = getattr(self, "groups", None)  # a lab rank's (rank.lab_groups); a script has none
+            if groups is not None and not torch_internals.routes_new_groups():
+                groups.adopt_mesh(mesh)
             if instrumented:
                 instrument_mesh(mesh, self.recorder, self.link)
             elif self.link.active:  # no instruments, but the link must still slow the run's collectives
@@ -69,8 +74,15 @@ class ScriptContext(RankContext):
     def __init__(self) -> None:
         backend = "nccl" if "nccl" in dist.get_backend() else "gloo"
         if backend == "nccl":
-            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            device = torch.device("cuda", script_gpu(os.environ))
             torch.cuda.set_device(device)
         else:
             device = torch.device("cpu")
         super().__init__(dist.get_rank(), backend, device)
+
+
+def script_gpu(environ) -> int:
+    """The CUDA device index of a torchrun-started process whose environment is ``environ``: the lab
+    rank's own rule on LOCAL_RANK, so a script under torchrun and the same script in a lab agree (one
+    GPU shown by CUDA_VISIBLE_DEVICES is cuda:0 whatever LOCAL_RANK says)."""
+    return gpu_index(int(environ.get("LOCAL_RANK", "0")), gpus_shown(environ))

@@ -4,6 +4,11 @@ The notebook (``labkit.cluster.control``) writes into the process group's
 rendezvous store. A rank asks the store for the request's version at most every
 ``POLL_SECONDS`` (one small round trip to rank 0), and reads the request only
 when the version changed, so a training step pays almost nothing for it.
+
+An injected slowdown is spent where the rank's work runs: on a CPU rank as a
+busy-wait (a slow device computes; it does not sleep), on a GPU rank in its
+compute stream (``rank.gpu_delay``), since a CPU running ahead of its GPU would
+absorb a delay spent on the CPU and the step would not be slower.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import json
 import time
 
 from labkit.cluster.control import REQUEST_KEY, SLOW_KEY, STOP_KEY, VERSION_KEY
+from labkit.rank.gpu_delay import StreamDelay
 
 POLL_SECONDS = 0.05
 
@@ -19,7 +25,7 @@ POLL_SECONDS = 0.05
 class ControlChannel:
     """This rank's view of the requests: ``stop_requested`` and its injected ``delay``."""
 
-    def __init__(self, store, rank: int, poll_seconds: float = POLL_SECONDS) -> None:
+    def __init__(self, store, rank: int, poll_seconds: float = POLL_SECONDS, device=None) -> None:
         self.store = store  # a torch.distributed Store, or None: no requests can come
         self.rank = rank
         self.poll_seconds = poll_seconds
@@ -27,6 +33,7 @@ class ControlChannel:
         self._next_poll = 0.0
         self.stop_requested = False
         self.delay = 0.0
+        self._stream_delay = StreamDelay(device) if getattr(device, "type", "cpu") == "cuda" else None
 
     def poll(self) -> None:
         if self.store is None or time.monotonic() < self._next_poll:
@@ -41,9 +48,11 @@ class ControlChannel:
         self.delay = float(request.get(SLOW_KEY, {}).get(str(self.rank), 0.0))
 
     def spend_delay(self) -> float:
-        """Busy-wait the injected delay (a slow device computes; it does not sleep)."""
+        """Spend the injected delay: in the GPU's stream, or busy on the CPU (a slow device computes)."""
         if self.delay <= 0:
             return 0.0
+        if self._stream_delay is not None:
+            return self._stream_delay.delay(self.delay)
         until = time.perf_counter() + self.delay
         while time.perf_counter() < until:
             pass

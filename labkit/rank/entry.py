@@ -46,11 +46,15 @@ def describe_engine() -> dict:
 
     namespace = get_ipython().user_ns
     runtime = namespace.get(RUNTIME_NAME)
+    # CUDA_VISIBLE_DEVICES's entries as given (indexes or UUIDs), else "0".."n-1": read from the
+    # environment and the driver's files, never from CUDA, so describing an engine makes no CUDA context.
+    gpus = visible_gpus()
     return {
         "pid": os.getpid(),
         "host": socket.gethostname(),
         "slot": os.environ.get(SLOT_VARIABLE, "launched"),
-        "gpus": len(visible_gpus()),
+        "gpus": len(gpus),  # a notebook of an older labkit reads only the count
+        "gpu_ids": list(gpus),  # the placement check finds the GPU each rank will use among them
         "rank": None if runtime is None else runtime.rank,
         "install_error": namespace.get("__labkit_install_error__"),
     }

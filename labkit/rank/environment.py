@@ -124,3 +124,10 @@ def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return "cpu"
+
+
+def nccl_seconds(cell_seconds: float) -> float:
+    """nccl's time limit for a cell limited to ``cell_seconds``: well past the lab's own path for a stuck
+    cell (the limit, a moment for gloo's timeouts, an interrupt, then the rank released or replaced),
+    since nccl's watchdog does not raise in the cell but ends the rank's process."""
+    return 2 * cell_seconds + 60.0

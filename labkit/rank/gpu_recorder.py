@@ -19,8 +19,14 @@ loop never waits for the GPU to measure it):
   hand-written gradient all-reduce), FSDP's wait for a layer's all-gather before
   the layer runs (its pre-forward hook), and the end of backward, where DDP and
   FSDP wait for their last gradient reductions (from a callback queued first at
-  the start of backward to the moment ``backward()`` returns). The union of
-  these intervals inside the step is the exposed time;
+  the start of backward to the moment ``backward()`` returns). A bracket also
+  holds work that follows the wait on the same stream (FSDP's copy-out of the
+  gathered parameters, DDP's copy of reduced buckets into the gradients), so
+  each is cut where the last collective it overlaps completed, and one that
+  overlaps none (what it waited for was already done) counts nothing
+  (``exposed_regions``). A synchronous nccl collective runs on the stream that
+  issued it (``ran_in_stream``): on the compute stream, its whole run is exposed.
+  The union of these intervals inside the step is the exposed time;
 - ``compute``: the rest, so compute and exposed communication add up to the step.
 
 What this cannot see: waits hidden inside other code (FSDP's backward
@@ -53,6 +59,18 @@ def union_length(intervals, begin: float, end: float) -> float:
     return total
 
 
+def exposed_regions(regions, collectives) -> list[tuple[float, float]]:
+    """The parts of wait brackets ``regions`` [(a, b)] spent waiting for a collective [(kind, bytes, issued,
+    completed)]: each bracket up to the last completion of a collective that overlaps it; none if none does."""
+    kept = []
+    for low, high in regions:
+        last = max((completed for _, _, issued, completed in collectives if issued <= high and completed >= low),
+                   default=None)
+        if last is not None:
+            kept.append((low, min(high, last)))
+    return kept
+
+
 def assemble_row(step: dict, times: dict) -> tuple[StepRow, TimelineStep]:
     """A step row and its timeline entry from event times (seconds on one GPU clock).
 
@@ -60,8 +78,9 @@ def assemble_row(step: dict, times: dict) -> tuple[StepRow, TimelineStep]:
     issued, completed)], origin_wall (the wall time the clock's zero stands for).
     """
     start, end, wall = times["start"], times["end"], times["origin_wall"]
+    regions = exposed_regions(times["regions"], times["collectives"])
     seconds = max(0.0, end - start)
-    exposed = min(seconds, union_length(times["regions"], start, end))
+    exposed = min(seconds, union_length(regions, start, end))
     comm, sent = {}, {}
     for kind, nbytes, issued, completed in times["collectives"]:
         comm[kind] = comm.get(kind, 0.0) + max(0.0, completed - issued)
@@ -81,7 +100,7 @@ def assemble_row(step: dict, times: dict) -> tuple[StepRow, TimelineStep]:
         "delay": step["delay"],
     }
     spans, cursor = [], start
-    for low, high in sorted((max(low, start), min(high, end)) for low, high in times["regions"]):
+    for low, high in sorted((max(low, start), min(high, end)) for low, high in regions):
         if high <= cursor:
             continue
         low = max(low, cursor)
@@ -129,6 +148,45 @@ def _event() -> torch.cuda.Event:
     return event
 
 
+class LossSlots:
+    """Each step's loss copied, without waiting, into a pinned host scalar; read once its step has passed.
+
+    ``float()`` of a GPU loss would wait for the compute stream, which by the time a
+    row is made already holds the next step: every row would drain the GPU. Slots are
+    reused once read, so only as many exist as steps wait to be read."""
+
+    def __init__(self, allocate=None) -> None:
+        self._allocate = allocate or (lambda: torch.empty((), dtype=torch.float32, pin_memory=True))
+        self._free: list = []
+
+    def copy(self, loss):
+        """What stands for ``loss`` until its step's end event has passed (a GPU tensor: a pinned slot)."""
+        if not isinstance(loss, torch.Tensor) or loss.device.type != "cuda":
+            return loss
+        slot = self._free.pop() if self._free else self._allocate()
+        slot.copy_(loss.detach().float(), non_blocking=True)
+        return _Slot(slot)
+
+    def read(self, held) -> float | None:
+        """The loss as a number (its slot goes back for reuse)."""
+        if held is None:
+            return None
+        if isinstance(held, _Slot):
+            value = float(held.tensor)
+            self._free.append(held.tensor)
+            return value
+        return float(held)
+
+
+class _Slot:
+    """A loss copied into ``tensor`` (host memory) by a copy that lands with its step's end event."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor) -> None:
+        self.tensor = tensor
+
+
 class CudaStepRecorder:
     """Rows of per-step measurements on a CUDA rank; the interface of ``StepRecorder``."""
 
@@ -144,6 +202,7 @@ class CudaStepRecorder:
         self._origin = None  # (event, wall time): every time of the run counts from it
         self._step: dict | None = None
         self._pending: deque = deque()
+        self._loss_slots = LossSlots()
 
     # -- fed by TimedGroup --------------------------------------------------
 
@@ -157,6 +216,17 @@ class CudaStepRecorder:
         if token is None or step is None:
             return
         step["collectives"].append((kind, nbytes, token, _event()))
+
+    def ran_in_stream(self, kind: str, nbytes: int, token) -> None:
+        """A collective ran on the issuing stream (nccl's synchronous ones): done where it ends there, and
+        when that stream is the compute stream, all of it was a wait."""
+        step = self._step
+        if token is None or step is None:
+            return
+        done = _event()
+        step["collectives"].append((kind, nbytes, token, done))
+        if torch.cuda.current_stream(self.device) == self._compute_stream:
+            step["regions"].append((token, done))
 
     @contextlib.contextmanager
     def waiting(self):
@@ -223,6 +293,7 @@ class CudaStepRecorder:
 
     def end_step(self, samples: int, tokens: int | None, loss, delay: float = 0.0) -> None:
         step, self._step = self._step, None
+        loss = self._loss_slots.copy(loss)  # before the end event: once that has passed, the copy has landed
         step.update(end=_event(), samples=samples, tokens=tokens, loss=loss, delay=delay)
         self._pending.append(step)
         self._resolve(wait=False)
@@ -255,8 +326,7 @@ class CudaStepRecorder:
                                 for kind, nbytes, issued, done in step["collectives"]],
                 "origin_wall": wall,
             }
-            loss = step["loss"]
-            step["loss"] = None if loss is None else float(loss)
+            step["loss"] = self._loss_slots.read(step["loss"])
             row, entry = assemble_row(step, times)
             self.rows.append(row)
             self.timeline.append(entry)

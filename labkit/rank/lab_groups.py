@@ -131,6 +131,19 @@ class LabGroups:
         self.handles[handle] = recipe
         return handle
 
+    def adopt_mesh(self, mesh) -> None:
+        """Make handles of the groups ``mesh`` got straight from torch (a torch that does not ask the
+        default group for new groups, before 2.12), so a rebuild in place remakes them too."""
+        for name in torch_internals.mesh_group_names(mesh):
+            raw = torch_internals.group_by_name(name)
+            if isinstance(raw, TimedGroup) or raw is None:
+                continue
+            recipe = GroupRecipe(name, tuple(dist.get_process_group_ranks(raw)), raw.group_desc)
+            handle = TimedGroup(raw, QuietRecorder(), self.link)
+            torch_internals.hand_over_registration(raw, handle)
+            torch_internals.put_in_mesh(mesh, name, handle)
+            self.handles[handle] = recipe
+
     def reconfigure(self, generation: int, timeout) -> int:
         """Every live handle gets its group of generation ``generation`` (same ranks, same names); how many.
 

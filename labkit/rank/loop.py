@@ -10,9 +10,10 @@ With ``verify``, every rank then retrains the model in plain single-process
 PyTorch and compares (``verify.compare_with_reference``).
 
 On a GPU the loop never makes the CPU wait for the device inside a step: the
-batch is copied from pinned memory without blocking, the loss stays a device
-tensor until a progress line (or the end) reads it, and step times come from
-CUDA events read later. So the CPU prepares step n+1 while the GPU runs step n.
+batch is copied from the run's pinned buffers without blocking
+(``host_staging``), the loss stays a device tensor until a progress line (or
+the end) reads it, and step times come from CUDA events read later. So the
+CPU prepares step n+1 while the GPU runs step n.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from labkit.rank.context import ScriptContext  # noqa: F401 - the benchmarks' wa
 from labkit.rank.control import ControlChannel
 from labkit.rank.entry import this_rank
 from labkit.rank.environment import device_name
+from labkit.rank.host_staging import PinnedStaging
 from labkit.rank.memory import estimated_bytes, local_bytes, memory_bytes
 from labkit.rank.periodic_checkpoints import PeriodicCheckpoints
 from labkit.rank.recorder import Publisher
@@ -73,12 +75,18 @@ def precision_settings(config: TrainConfig):
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, cudnn
 
 
-def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Copy a batch to the rank's device; to a GPU from pinned memory, without waiting."""
-    if device.type != "cuda":
-        return tensor
-    # A copy from pageable memory makes the CPU wait for the GPU to reach it.
-    return tensor.pin_memory().to(device, non_blocking=True)
+def batch_staging(device: torch.device) -> PinnedStaging | None:
+    """The run's pinned buffers for its batches on a GPU; none on the host, where nothing is copied.
+
+    Dropped when the run ends, maybe with its last copies still to run: torch's pinned
+    allocator hands a block out again only once the copies made from it are done."""
+    return PinnedStaging(device) if device.type == "cuda" else None
+
+
+def to_device(tensors, staging: PinnedStaging | None) -> tuple[torch.Tensor, ...]:
+    """A batch on the rank's device: as it is on the host; to a GPU through the run's pinned buffers,
+    without waiting (a copy from pageable memory makes the CPU wait for the GPU to reach it)."""
+    return tuple(tensors) if staging is None else staging.to_device(tensors)
 
 
 def control_tensor(values, dtype=torch.float32, group=None) -> torch.Tensor:
@@ -185,20 +193,21 @@ def _train(config: TrainConfig, runtime) -> dict:
     if config.instruments:
         parallel.backward_watch = recorder.backward_watch
         recorder.watch_module_waits(parallel.module)
-    control = ControlChannel(runtime.store if config.instruments else None, runtime.rank)
+    control = ControlChannel(runtime.store if config.instruments else None, runtime.rank, device=runtime.device)
     publisher = Publisher(recorder) if config.instruments else None
     timer = StepTimer(device)
     losses = LossLog(config, mesh, parallel, recorder, reporter, timer)
     samples = config.global_batch // config.data_parts if parallel.data_share is not None else 0
     tokens = samples * config.model_config.seq if config.model == "gpt" else None
     saved: list[str] = []  # checkpoints this run wrote
+    staging = batch_staging(device)  # one per run: its buffers are reused by every step
     checkpoints = PeriodicCheckpoints(config) if config.checkpoint_every else None
     for step in range(config.steps):  # this run's steps; the data position is the state's
         control.poll()
         if step and step % STOP_CHECK_EVERY == 0 and config.instruments and _agree_to_stop(control.stop_requested):
             break
         inputs, targets = parallel.batch_slice(data.batch(state.step, config.global_batch))
-        inputs, targets = to_device(inputs, device), to_device(targets, device)
+        inputs, targets = to_device((inputs, targets), staging)
         timer.begin()
         if config.instruments:
             recorder.begin_step(state.step)  # rows count steps from the run's start, across continuations

@@ -131,6 +131,10 @@ class StepRecorder:
         self._events.append((kind, nbytes, issued, completed))
         self._samples.append((completed, self.clock.busy()))
 
+    def ran_in_stream(self, kind: str, nbytes: int, issued: float) -> None:
+        """A collective answered no work: it ran inside the call (a blocked thread shows in the clocks)."""
+        self.completed(kind, nbytes, issued)
+
     def waiting(self):
         return contextlib.nullcontext()
 

@@ -32,12 +32,13 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from labkit.cluster.placement import gpu_index, gpus_shown
 from labkit.rank.context import RankContext
 from labkit.spec.schema import FailureKind
 from labkit.rank.entry import RUNTIME_NAME
 from labkit.rank.lab_groups import LabGroups
 from labkit.rank.environment import (device_name, process_group_backend, seed_as_asked, seed_independently,
-                                     torchrun_environment)
+                                     nccl_seconds, torchrun_environment)
 from labkit.rank.recorder import recorder_for
 from labkit.rank.torch_internals import reset_ddp_reducer, set_group_timeout
 from labkit.rank.user_process import UserProcess
@@ -67,10 +68,8 @@ class RankRuntime(RankContext):
         self.host_index = int(settings.get("host_index", 0))
         self.host_count = int(settings.get("host_count", 1))
         if backend == "nccl":
-            # One GPU per rank, the LOCAL_RANK-th of what its host shows, as torchrun places ranks
-            # (a host that shows each process one GPU, as some schedulers do, has only cuda:0).
-            shown = len([g for g in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if g.strip()])
-            device = torch.device("cuda", 0 if shown == 1 else self.local_rank)
+            # One GPU per rank, by the rule the notebook checked the placement against (and scripts use).
+            device = torch.device("cuda", gpu_index(self.local_rank, gpus_shown()))
         else:
             device = torch.device("cpu")
         super().__init__(int(settings["rank"]), backend, device)
@@ -219,10 +218,14 @@ class RankRuntime(RankContext):
         self.groups.retire(reason)
 
     def set_collective_timeout(self, seconds: float) -> None:
-        """Bound every collective of every group by ``seconds`` (the cell's limit)."""
+        """Bound every collective of every group by ``seconds`` (the cell's limit); nccl's more loosely.
+
+        A gloo collective past its limit raises in the cell. nccl's watchdog instead ends the whole
+        process, so nccl keeps a limit past the lab's own path (interrupt, then release or replace
+        the rank: ``runs.dispatch``): it only fires if that path failed."""
         if not dist.is_initialized():
             return
-        limit = timedelta(seconds=seconds)
+        limit, nccl_limit = timedelta(seconds=seconds), timedelta(seconds=nccl_seconds(seconds))
         with warnings.catch_warnings():
             # check_collectives wraps groups in torch's checker, which has no knob: they keep the
             # limit they were made with (start_timeout), and torch would warn at every cell.
@@ -231,7 +234,7 @@ class RankRuntime(RankContext):
                 if handle.inner is None:
                     continue
                 try:
-                    set_group_timeout(handle.inner, limit)
+                    set_group_timeout(handle.inner, limit, nccl_limit)
                 except Exception:  # groups of backends without the knob keep theirs
                     pass
 

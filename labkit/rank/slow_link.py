@@ -37,6 +37,7 @@ from collections import deque
 import torch
 import torch.distributed as dist
 
+from labkit.rank.gpu_delay import StreamDelay
 from labkit.rank.timed_group import TimedWork, instrument_mesh
 
 
@@ -51,6 +52,9 @@ class QuietRecorder:
         return None
 
     def completed(self, kind: str, nbytes: int, issued) -> None:
+        """Nothing is kept."""
+
+    def ran_in_stream(self, kind: str, nbytes: int, issued) -> None:
         """Nothing is kept."""
 
     def waiting(self):
@@ -175,6 +179,7 @@ class LinkState:
     def __init__(self) -> None:
         self.spec = None  # spec.link.LinkSpec
         self.wire = Wire()
+        self._stream_delays: dict = {}  # cuda device -> gpu_delay.StreamDelay, calibrated once each
 
     @property
     def active(self) -> bool:
@@ -205,6 +210,27 @@ class LinkState:
         held.then(lambda _: done())
         return SlowWork(work, held, recorder)
 
+    def hold_stream(self, kind: str, nbytes: int, group_size: int, tensors) -> None:
+        """A collective ran inside the call, with no work to hold back (nccl's synchronous ones): the
+        link's time is spent where it ran, in the GPU's current stream, or on the calling thread on a CPU.
+
+        Such a collective is ordered by its stream, not by the wire: it is not queued behind the
+        asynchronous collectives the wire is carrying."""
+        spec = self.spec
+        if spec is None:
+            return
+        seconds = spec.seconds(kind, nbytes, group_size)
+        if seconds <= 0:
+            return
+        device = _cuda_device(tensors)
+        if device is None:
+            self.wire.cross(seconds)
+            return
+        delay = self._stream_delays.get(device)
+        if delay is None:
+            delay = self._stream_delays[device] = StreamDelay(device)
+        delay.delay(seconds)
+
     def _carry(self, finished, held, seconds: float, device) -> None:
         """The real collective is done (on the thread that completed it): hand it to the wire."""
         try:
@@ -215,11 +241,15 @@ class LinkState:
         event = None
         if device is not None:  # the callback's stream follows the collective; the wire's thread must too
             event = torch.cuda.Event()
-            event.record()
+            with torch.cuda.device(device):
+                event.record()
 
         def finish() -> None:
             if event is not None:
-                event.synchronize()
+                # On the wire's own thread, whose current device is GPU 0 until set: a CUDA call there
+                # without the event's device would make a context on GPU 0 in every rank.
+                with torch.cuda.device(device):
+                    event.synchronize()
             held.set_result(value)
 
         self.wire.carry(seconds, finish)

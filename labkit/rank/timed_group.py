@@ -22,12 +22,14 @@ for all-gather, the full input for reduce-scatter).
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
 import torch.distributed as dist
 
 from labkit.rank import torch_internals
+from labkit.rank.p2p_batch import P2PBatch
 
 
 def _bytes(value) -> int:
@@ -132,7 +134,9 @@ class TimedGroup(dist.ProcessGroup):
         self.in_flight: dict[int, tuple] = {}  # sequence -> (kind, bytes, issued at, work)
         self.waiting: int | None = None
         self.stale: str | None = None
+        self._p2p_batch: P2PBatch | None = None
         self._backend_name = inner.name()
+        torch_internals.share_bound_device(self, inner)  # before the backends: registering one binds it
         # A group may have one backend per device type ("cpu:gloo,cuda:nccl"):
         # register each under its own type, and make the GPU's the default.
         default = None
@@ -151,6 +155,7 @@ class TimedGroup(dist.ProcessGroup):
         self.issued = self.collectives = 0
         self.in_flight = {}
         self.waiting = None
+        self._p2p_batch = None
 
     def retire(self, reason: str) -> None:
         """Every later operation raises ``StaleGroupError(reason)``."""
@@ -158,8 +163,9 @@ class TimedGroup(dist.ProcessGroup):
         self.inner = None
         self.in_flight = {}
         self.waiting = None
+        self._p2p_batch = None
 
-    def _live(self) -> dist.ProcessGroup:
+    def live(self) -> dist.ProcessGroup:
         if self.inner is None:
             raise StaleGroupError(self.stale or "this process group was destroyed")
         return self.inner
@@ -167,7 +173,10 @@ class TimedGroup(dist.ProcessGroup):
     def shutdown(self) -> None:  # destroy_process_group(group)
         inner, self.inner = self.inner, None
         self.stale = self.stale or f"process group {self.group_name!r} was destroyed (destroy_process_group)"
-        if inner is not None:
+        # A stand-in (``wrap_group``) leaves its real group in torch's registry, and destroying the world
+        # shuts down every registered group: shutting it down here as well would shut one nccl backend
+        # down twice. Only a group torch does not know (a handle's, ``rank.lab_groups``) is ours to end.
+        if inner is not None and not torch_internals.is_registered(inner):
             inner.shutdown()
 
     def abort(self) -> None:
@@ -178,17 +187,37 @@ class TimedGroup(dist.ProcessGroup):
 
     def _issue(self, kind: str, nbytes: int, call, tensors, *args, **kwargs):
         """``call``: the name of ``inner``'s method (given ``tensors, *args, **kwargs``), or ``f(inner, tensors)``."""
-        inner = self._live()
-        recorder = self.recorder
-        token = recorder.issued(_device_type(tensors))
+        inner = self.live()
+        batch = self._p2p_batch
+        if batch is not None:
+            if kind in _POINT_TO_POINT:
+                return batch.keep(kind, nbytes, call, tensors, args, kwargs)
+            batch.post()  # what was kept goes first, in the order it was given
+        token, sequence = self.begin_operation(kind, tensors)
+        work = getattr(inner, call)(tensors, *args, **kwargs) if isinstance(call, str) else call(inner, tensors)
+        return self.answer_for(kind, nbytes, token, sequence, work, tensors)
+
+    def begin_operation(self, kind: str, tensors) -> tuple:
+        """An operation is being issued: tell the recorder, count it; (recorder's token, sequence number)."""
+        token = self.recorder.issued(_device_type(tensors))
         self.issued += 1
-        sequence = self.issued
         if kind not in _POINT_TO_POINT:
             self.collectives += 1
-        in_flight = self.in_flight
-        if len(in_flight) > _IN_FLIGHT_PRUNE_AT:
+        if len(self.in_flight) > _IN_FLIGHT_PRUNE_AT:
             self.pending()
-        work = getattr(inner, call)(tensors, *args, **kwargs) if isinstance(call, str) else call(inner, tensors)
+        return token, self.issued
+
+    def answer_for(self, kind: str, nbytes: int, token, sequence: int, work, tensors):
+        """What the caller gets for ``work``, the inner group's answer: completion reaches the recorder."""
+        recorder = self.recorder
+        if work is None:
+            # nccl (torch 2.8 on) runs a synchronous collective on the caller's current stream and answers
+            # no work: it is complete in stream order. torch's callers expect None back then.
+            if self.link is not None:
+                self.link.hold_stream(kind, nbytes, self.size(), tensors)
+            recorder.ran_in_stream(kind, nbytes, token)
+            return None
+        in_flight = self.in_flight
         in_flight[sequence] = (kind, nbytes, time.time(), work)
 
         def done(_=None) -> None:
@@ -210,6 +239,20 @@ class TimedGroup(dist.ProcessGroup):
             # learn completion from the wait, or by asking the work (``pending``).
             future.then(done)
         return TimedWork(work, recorder, None, self, sequence)
+
+    @contextlib.contextmanager
+    def p2p_batched(self, device):
+        """Within: sends and receives on ``device`` are posted together, as one coalesced group, when a
+        backend that coalesces carries them (nccl; see ``rank.p2p_batch``); elsewhere nothing changes."""
+        if self._p2p_batch is not None or not torch_internals.coalesces_p2p(self.live(), device):
+            yield
+            return
+        self._p2p_batch = P2PBatch(self, device)
+        try:
+            yield
+        finally:
+            batch, self._p2p_batch = self._p2p_batch, None
+            batch.post()
 
     def pending(self) -> list[tuple[int, str, int, float]]:
         """(sequence, kind, bytes, issued at) of every operation not completed yet; forgets the completed."""
@@ -298,13 +341,13 @@ class TimedGroup(dist.ProcessGroup):
         return self._issue("all_gather", _bytes(output_lists), "allgather_coalesced", output_lists, input_list, *args, **kwargs)
 
     def monitored_barrier(self, *args, **kwargs):  # gloo's: blocks, returns nothing
-        return self._live().monitored_barrier(*args, **kwargs)
+        return self.live().monitored_barrier(*args, **kwargs)
 
     def _start_coalescing(self, device):
-        return self._live()._start_coalescing(device)
+        return self.live()._start_coalescing(device)
 
     def _end_coalescing(self, device):
-        return self._live()._end_coalescing(device)
+        return self.live()._end_coalescing(device)
 
     # -- identity -------------------------------------------------------
 

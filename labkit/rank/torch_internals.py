@@ -40,11 +40,9 @@ def missing_internals() -> list[str]:
         "distributed_c10d._world": lambda: c10d._world,
         **{f"distributed_c10d._world.{table}": (lambda t=table: getattr(c10d._world, t))
            for table in (*_WORLD_TABLES, "pg_backend_config", "pg_to_tag", "tags_to_pg", "default_pg")},
-        "distributed_c10d._set_pg_timeout": lambda: c10d._set_pg_timeout,
         "distributed_c10d._update_default_pg": lambda: c10d._update_default_pg,
         "distributed_c10d._abort_process_group": lambda: c10d._abort_process_group,
         "distributed_c10d._new_process_group_helper": lambda: c10d._new_process_group_helper,
-        "distributed_c10d._register_pg_in_world": lambda: c10d._register_pg_in_world,
         "distributed_c10d._world.group_count": lambda: c10d._world.group_count,
         "distributed_c10d._unregister_all_process_groups": lambda: c10d._unregister_all_process_groups,
         "nn.parallel.DistributedDataParallel.reducer._reset_state":
@@ -59,9 +57,12 @@ def missing_internals() -> list[str]:
         "ProcessGroup._set_group_name": lambda: dist.ProcessGroup._set_group_name,
         "ProcessGroup._set_group_desc": lambda: dist.ProcessGroup._set_group_desc,
         "Work._source_rank": lambda: dist.Work._source_rank,
+        "ProcessGroup._start_coalescing": lambda: dist.ProcessGroup._start_coalescing,
+        "ProcessGroup._end_coalescing": lambda: dist.ProcessGroup._end_coalescing,
         # Names torch calls on a ProcessGroup written in Python (labkit.rank.timed_group overrides them).
         "ProcessGroup._allgather_base": lambda: dist.ProcessGroup._allgather_base,
         "ProcessGroup._reduce_scatter_base": lambda: dist.ProcessGroup._reduce_scatter_base,
+        "cuda._sleep": lambda: torch.cuda._sleep,
         "autograd.Variable._execution_engine.queue_callback":
             lambda: torch.autograd.Variable._execution_engine.queue_callback,
     }
@@ -132,6 +133,20 @@ def new_backend_group(group_size: int, group_rank: int, global_ranks: list[int],
     return group
 
 
+def hand_over_registration(group, stand_in) -> None:
+    """``stand_in`` takes ``group``'s place in torch's registry (name, ranks, store) and ``group`` leaves it,
+    working still: only ``stand_in`` is shut down when the world is destroyed."""
+    name = group.group_name
+    take_place_of(group, stand_in)
+    forget_registration(group)  # also drops the name, which stand_in holds now: registered again below
+    c10d_native._register_process_group(name, stand_in)
+
+
+def is_registered(group) -> bool:
+    """Whether torch's registry holds ``group`` (destroying the world then shuts it down)."""
+    return group in c10d._world.pg_names
+
+
 def forget_registration(group) -> None:
     """Remove ``group`` from torch's registry of groups (tables and lookup by name), leaving it working."""
     world = c10d._world
@@ -149,8 +164,34 @@ def forget_registration(group) -> None:
 
 def register_group(group, name: str, backend: str, store, backend_config: str, rank_mapping: dict) -> None:
     """Put ``group`` in torch's registry as ``new_group`` would: by name, with its ranks and store."""
-    c10d._register_pg_in_world(group, backend_name=backend, store=store, group_name=name,
-                               backend_config=backend_config, rank_mapping=rank_mapping, add_to_default_tag=True)
+    register = getattr(c10d, "_register_pg_in_world", None)
+    if register is not None:
+        register(group, backend_name=backend, store=store, group_name=name, backend_config=backend_config,
+                 rank_mapping=rank_mapping, add_to_default_tag=True)
+        return
+    # torch before 2.12 fills the same tables inline where it makes a group.
+    world = c10d._world
+    world.pg_map[group] = (backend, store)
+    world.pg_names[group] = name
+    world.pg_backend_config[group] = backend_config
+    world.pg_group_ranks[group] = rank_mapping
+    c10d_native._register_process_group(name, group)
+    tag = f"ptd:{name}"
+    world.tags_to_pg.setdefault("", []).append(group)
+    world.tags_to_pg.setdefault(tag, []).append(group)
+    world.pg_to_tag[group] = tag
+
+
+def routes_new_groups() -> bool:
+    """Whether torch's ``new_group`` asks a default group written in Python to make the group (torch 2.12
+    on): then every group a cell or a mesh makes is one of the lab's handles (``rank.lab_groups``)."""
+    return "new_group" in c10d._new_group_with_tag.__code__.co_names
+
+
+def share_bound_device(stand_in, group) -> None:
+    """``stand_in`` is bound to ``group``'s device, as the backends it takes over are: registering a
+    backend on a group binds the backend to the group's device, None unless set first."""
+    stand_in.bound_device_id = group.bound_device_id
 
 
 def install_world(group, backend: str, store) -> None:
@@ -210,9 +251,12 @@ def group_lifecycle_replaced(init, destroy):
             module.init_process_group, module.destroy_process_group = original
 
 
-def set_group_timeout(group, limit: timedelta) -> None:
-    """Bound the collectives of ``group`` by ``limit`` (raises for backends without the knob)."""
-    c10d._set_pg_timeout(limit, group)
+def set_group_timeout(group, limit: timedelta, nccl_limit: timedelta | None = None) -> None:
+    """Bound the collectives of ``group``'s backends by ``limit``, its nccl backend by ``nccl_limit`` when
+    given (raises for backends without the knob)."""
+    for device in device_types(group):
+        backend = backend_of(group, device)
+        backend._set_default_timeout(nccl_limit if nccl_limit is not None and backend.name() == "nccl" else limit)
 
 
 def abort_process_groups() -> None:
@@ -247,6 +291,28 @@ def backend_timeout(group, device) -> timedelta | None:
         return backend_of(group, device).options._timeout
     except (AttributeError, RuntimeError):
         return None
+
+
+def coalesces_p2p(group, device) -> bool:
+    """Whether ``group`` posts sends and receives on ``device`` as one group when asked (nccl's do).
+
+    A group written in Python says so itself (a ``supports_coalescing`` attribute), as a backend does."""
+    if type(group) is not dist.ProcessGroup:
+        return bool(getattr(group, "supports_coalescing", False))
+    try:
+        return bool(backend_of(group, torch.device(device)).supports_coalescing)
+    except (AttributeError, RuntimeError):  # no backend for that device
+        return False
+
+
+def start_coalescing(group, device) -> None:
+    """What torch's ``batch_isend_irecv`` does first on nccl: operations from now on go in one group."""
+    group._start_coalescing(torch.device(device))
+
+
+def end_coalescing(group, device):
+    """Post the operations since ``start_coalescing`` as one group; the group's work."""
+    return group._end_coalescing(torch.device(device))
 
 
 def work_source_rank(work) -> int:
@@ -294,6 +360,14 @@ def forget_dtensor_plans() -> None:
 
         if hasattr(_mesh_resources, "mesh_stack"):
             _mesh_resources.mesh_stack.clear()
+
+
+# -- CUDA -----------------------------------------------------------------------------------
+
+
+def spin_gpu(cycles: int) -> None:
+    """Enqueue a kernel on the current stream that spins for ``cycles`` GPU clock cycles."""
+    torch.cuda._sleep(cycles)
 
 
 # -- autograd ---------------------------------------------------------------------------

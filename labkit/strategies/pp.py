@@ -13,6 +13,12 @@ batch is cut into ``microbatches`` so that stages can work at the same time:
 The schedule averages gradients over microbatches (``scale_grads``), so a step
 equals one step on the whole batch.
 
+nccl pitfall: a send is a kernel that ends only once the peer receives, so two
+neighbouring stages that each send before they receive would block each other;
+torch posts each batch of sends and receives as one nccl group, but not through
+the lab's timed group (a Python subclass). The step runs with the group's
+``p2p_batched``, which posts them together as torch would (``rank.p2p_batch``).
+
 gloo pitfall (pytorch#132644): the schedules send and receive with
 ``batch_isend_irecv``, which used to hang on gloo because only one of gloo's
 several work handles was waited on. The torch versions labkit supports carry the
@@ -21,6 +27,8 @@ the lab's timeout in any case.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.nn as nn
@@ -44,7 +52,9 @@ class PipelineRunner:
             raise ValueError(f"unknown pipeline schedule {schedule!r}: choose {', '.join(SCHEDULES)}")
         self.stage_index = pp_mesh.get_local_rank()
         self.stages = pp_mesh.size()
-        self.stage = PipelineStage(module, self.stage_index, self.stages, device, group=pp_mesh.get_group())
+        self.group = pp_mesh.get_group()
+        self.device = device
+        self.stage = PipelineStage(module, self.stage_index, self.stages, device, group=self.group)
         self.schedule = SCHEDULES[schedule](self.stage, n_microbatches=microbatches, loss_fn=loss_fn)
 
     @property
@@ -58,6 +68,14 @@ class PipelineRunner:
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
         """Forward and backward of the step's batch; the mean loss on the last stage (a 0-d tensor)."""
         losses: list[torch.Tensor] = []
+        batched = getattr(self.group, "p2p_batched", None)  # a lab group; torch's own coalesces by itself
+        with batched(self.device) if batched is not None else contextlib.nullcontext():
+            self._run_schedule(inputs, targets, losses)
+        if not losses:
+            return None
+        return torch.stack([loss.detach().float() for loss in losses]).mean()
+
+    def _run_schedule(self, inputs, targets, losses: list) -> None:
         if self.is_first and self.is_last:
             self.schedule.step(inputs, target=targets, losses=losses)
         elif self.is_first:
@@ -66,9 +84,6 @@ class PipelineRunner:
             self.schedule.step(target=targets, losses=losses)
         else:
             self.schedule.step()
-        if not losses:
-            return None
-        return torch.stack([loss.detach().float() for loss in losses]).mean()
 
 
 def apply(composition, pp_mesh, config) -> None:

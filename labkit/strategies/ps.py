@@ -71,6 +71,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from labkit.rank import torch_internals
+from labkit.rank.host_staging import CudaFence, HostBuffer, NoFence, PinnedStaging, pinned_empty
 from labkit.strategies.ps_gate import StalenessGate, shard_bounds, staleness_bound
 
 PUSH_TAG = 71  # worker -> server: a gradient shard
@@ -92,12 +93,33 @@ class ShardHolder(nn.Module):
 
 class Link:
     """Point-to-point traffic over the dp group, in group ranks; CPU buffers where the group carries
-    CPU tensors (gloo, or gloo beside nccl: receiving from any source needs gloo)."""
+    CPU tensors (gloo, or gloo beside nccl: receiving from any source needs gloo).
+
+    A GPU's tensors cross such a link through pinned host buffers kept for the run
+    (``host_buffer``, ``staging``): a copy from or to pageable memory makes the CPU wait
+    while the driver stages it, every step, in both directions."""
 
     def __init__(self, group, device: torch.device) -> None:
         self.group = group
         cpu = any(kind.type == "cpu" for kind in torch_internals.device_types(group))
         self.device = torch.device("cpu") if cpu else device
+        self.gpu = device if cpu and device.type == "cuda" else None  # whose tensors cross through host memory
+        # How pinned buffers and their fences are made: the unit tests give stand-ins (a CPU build cannot pin).
+        self.allocate, self.fence = pinned_empty, lambda: CudaFence(self.gpu)
+
+    def host_buffer(self, numel: int) -> HostBuffer:
+        """A flat buffer on the link's device, kept for reuse; pinned and fenced where a GPU's tensors cross."""
+        if self.gpu is None:
+            return HostBuffer(numel, torch.get_default_dtype(),
+                              allocate=lambda size, dtype: torch.empty(size, dtype=dtype, device=self.device),
+                              fence=NoFence)
+        return HostBuffer(numel, torch.get_default_dtype(), allocate=self.allocate, fence=self.fence)
+
+    def staging(self) -> PinnedStaging | None:
+        """Copies to the GPU through pinned buffers, where a GPU's tensors cross; else none is needed."""
+        if self.gpu is None:
+            return None
+        return PinnedStaging(self.gpu, allocate=self.allocate, fence=self.fence)
 
     def send(self, tensor: torch.Tensor, to: int, tag: int):
         return dist.isend(tensor, group=self.group, group_dst=to, tag=tag)
@@ -129,22 +151,31 @@ class Worker:
         self.parameters = list(parameters)
         self.bounds = bounds
         self.link = link
-        self.weights = torch.empty(bounds[-1][1], device=link.device)
+        self.weights = link.host_buffer(bounds[-1][1])  # the pulled weights, copied from here to the parameters
+        self.outgoing = link.host_buffer(bounds[-1][1]) if link.gpu is not None else None  # a GPU's gradient
 
     @torch.no_grad()
     def update(self, optimizer) -> None:
         gradients = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
-                               for p in self.parameters]).to(self.link.device)
+                               for p in self.parameters])
+        if self.outgoing is None:
+            gradients = gradients.to(self.link.device)
+        else:  # a blocking copy: gloo reads the buffer on the CPU as soon as the sends are posted
+            gradients = self.outgoing.acquire().copy_(gradients)
+        weights = self.weights.acquire()  # the last pull's copies to the parameters have run
         # Every receive is posted before any wait, so no server waits on a worker waiting on it.
         works = [self.link.send(gradients[start:end], server, PUSH_TAG)
                  for server, (start, end) in enumerate(self.bounds)]
-        works += [self.link.recv(self.weights[start:end], server, PULL_TAG)
+        works += [self.link.recv(weights[start:end], server, PULL_TAG)
                   for server, (start, end) in enumerate(self.bounds)]
         self.link.wait_all(works)
         offset = 0
         for parameter in self.parameters:
-            parameter.copy_(self.weights[offset : offset + parameter.numel()].view_as(parameter))
+            # From pinned memory to a GPU this is only enqueued; the release below fences the buffer
+            # until it has run. On the host, or GPU to GPU, non_blocking changes nothing.
+            parameter.copy_(weights[offset : offset + parameter.numel()].view_as(parameter), non_blocking=True)
             offset += parameter.numel()
+        self.weights.release()
 
 
 class Server:
@@ -161,6 +192,10 @@ class Server:
         self.servers, self.workers, self.link, self.device = servers, workers, link, device
         self.lr, self.bound = config.lr, config.staleness
         self.inbox = [torch.empty(end - start, device=link.device) for _ in range(workers)]
+        self.staging = link.staging()  # each applied gradient's way to a GPU (none where no GPU's tensors cross)
+        # Pinned answers of one iteration, kept for the next: one per answer in flight, at most 2W - 1
+        # (W pushes, and up to W - 1 held from the last iteration: the slowest worker is never held).
+        self.answers: list[HostBuffer] = []
         self.gate = StalenessGate(workers, self.bound)
         self.version = 0  # pushes applied (asynchronous) or steps taken (synchronous)
         self.answered = [0] * workers  # the version of the weights each worker last received
@@ -176,8 +211,22 @@ class Server:
         return group_rank - self.servers
 
     def _apply(self, gradient: torch.Tensor, optimizer) -> None:
-        self.holder.shard.grad = gradient.to(self.device)
+        if self.staging is None:
+            self.holder.shard.grad = gradient.to(self.device)
+        else:  # copied to pinned memory on the CPU: the inbox it came from can take the next push at once
+            (self.holder.shard.grad,) = self.staging.to_device((gradient,))
         optimizer.step()
+
+    def _answer(self, index: int, copy: bool) -> torch.Tensor:
+        """The shard's weights on the link's device, to send: from a GPU over a CPU link, in this
+        iteration's ``index``-th pinned answer buffer; else a copy when ``copy`` asks for one."""
+        shard = self.holder.shard.detach()
+        if self.link.gpu is None:
+            return shard.to(self.link.device, copy=copy)
+        while len(self.answers) <= index:
+            self.answers.append(self.link.host_buffer(self.end - self.start))
+        # A blocking copy, read by gloo on the CPU next; free again once the iteration's sends are waited.
+        return self.answers[index].acquire().copy_(shard)
 
     def _record(self, staleness: int) -> None:
         if "staleness" not in self.results:  # a new run (the loop empties the results): count afresh
@@ -203,7 +252,7 @@ class Server:
         self._apply(total / self.workers, optimizer)
         self.version += 1
         self._record(0)  # every gradient was computed from the weights it is applied to
-        answer = self.holder.shard.detach().to(self.link.device)
+        answer = self._answer(0, copy=False)
         self.link.wait_all([self.link.send(answer, source, PULL_TAG) for source in sources])
 
     @torch.no_grad()
@@ -221,7 +270,7 @@ class Server:
             self._record(staleness)
             for ready in self.gate.pushed(worker):
                 # A copy: later pushes change the shard while this answer may still be in flight.
-                answer = self.holder.shard.detach().to(self.link.device, copy=True)
+                answer = self._answer(len(sending), copy=True)
                 self.answered[ready] = self.version
                 sending.append(self.link.send(answer, ready + self.servers, PULL_TAG))
         self.link.wait_all(sending)

@@ -50,7 +50,7 @@ RANK_MODULES = (
     "ipyparallel.engine.kernel",
     "ipykernel.ipkernel",
     "ipykernel.zmqshell",
-    "ipykernel.debugger",  # pulls in debugpy, the slowest import of an engine
+    "ipykernel.debugger",  # pulls in debugpy, the slowest import of an engine (optional, below)
     "IPython.core.debugger",
     "pydoc",
     "labkit.rank.runtime",
@@ -68,6 +68,8 @@ WARM_MODULES = (
     "labkit.rank.checkpoint",
     "labkit.rank.verify",
 )
+# Imported ahead only to save ranks time: a machine without them (no debugpy) still starts its ranks.
+OPTIONAL_MODULES = frozenset({"ipykernel.debugger"})
 CONTROLLER_MODULE = "ipyparallel.controller.app"
 TERMINATE_GRACE_SECONDS = 3.0
 # The environment variable by which a process started below a child names that child.
@@ -150,8 +152,15 @@ class _Host:
     def load_rank_modules(self) -> None:
         if self.rank_modules_loaded:
             return
+        skipped = {}
         for name in RANK_MODULES:
-            __import__(name)
+            try:
+                __import__(name)
+            except ImportError as error:
+                if name not in OPTIONAL_MODULES:
+                    raise
+                skipped[name] = f"{type(error).__name__}: {error}"  # ranks import it themselves, if they can
+                print(f"labkit process host: {name} not imported ahead ({skipped[name]})", file=sys.stderr, flush=True)
         import torch
         import torch.distributed as dist
 
@@ -163,6 +172,7 @@ class _Host:
                 "cuda_build": torch.version.cuda is not None,
                 "nccl": bool(dist.is_nccl_available()),
                 "gloo": bool(dist.is_gloo_available()),
+                "skipped": skipped,
             }
         )
 
