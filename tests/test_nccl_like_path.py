@@ -156,3 +156,18 @@ def test_only_a_group_that_coalesces_batches_its_sends_and_receives():
 
     assert not torch_internals.coalesces_p2p(Plain(), torch.device("cpu"))
     assert torch_internals.coalesces_p2p(Coalescing(), torch.device("cpu"))
+
+
+def test_a_step_that_fails_inside_a_batch_posts_nothing_more_and_the_error_shows():
+    class Coalescing:
+        supports_coalescing = True
+
+    from labkit.rank.timed_group import TimedGroup
+
+    group = TimedGroup.__new__(TimedGroup)  # only the batching state is used here: no real group needed
+    group.inner, group._p2p_batch = Coalescing(), None
+    with pytest.raises(ValueError, match="the user's loss"):
+        with TimedGroup.p2p_batched(group, torch.device("cpu")):
+            group._p2p_batch.keep("send", 4, "send", [torch.zeros(1)], (1, 0), {})
+            raise ValueError("the user's loss")
+    assert group._p2p_batch is None  # and nothing was posted: posting would have needed a real group

@@ -247,11 +247,15 @@ class TimedGroup(dist.ProcessGroup):
         if self._p2p_batch is not None or not torch_internals.coalesces_p2p(self.live(), device):
             yield
             return
-        self._p2p_batch = P2PBatch(self, device)
+        batch = self._p2p_batch = P2PBatch(self, device)
         try:
             yield
-        finally:
-            batch, self._p2p_batch = self._p2p_batch, None
+        except BaseException:
+            # The step failed: what it had not posted stays unposted, as if it had raised before them.
+            self._p2p_batch = None
+            raise
+        self._p2p_batch = None
+        if self.inner is not None:  # not retired meanwhile
             batch.post()
 
     def pending(self) -> list[tuple[int, str, int, float]]:
