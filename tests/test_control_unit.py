@@ -162,3 +162,26 @@ def test_spend_delay_busy_waits_the_delay(requests, store):
     began = time.perf_counter()
     assert rank_zero.spend_delay() == 0.02
     assert time.perf_counter() - began >= 0.02
+
+
+def test_a_gpu_rank_spends_its_slowdown_in_its_stream_not_on_its_cpu(monkeypatch):
+    import time
+
+    import torch
+
+    from labkit.rank import gpu_delay
+
+    held = []
+    monkeypatch.setattr(gpu_delay.StreamDelay, "calibrate", lambda self: 1e9)  # cycles per second
+    monkeypatch.setattr(gpu_delay, "spin_gpu", lambda cycles: held.append(cycles))
+    monkeypatch.setattr(torch.cuda, "device", lambda device: __import__("contextlib").nullcontext())
+    channel = ControlChannel(None, rank=1, device=torch.device("cuda", 0))
+    channel.delay = 0.5
+    began = time.perf_counter()
+    assert channel.spend_delay() == 0.5
+    assert time.perf_counter() - began < 0.1  # the CPU went on: the GPU's stream holds the delay
+    assert held == [500_000_000]
+    cpu = ControlChannel(None, rank=1, device=torch.device("cpu"))
+    cpu.delay = 0.05
+    began = time.perf_counter()
+    assert cpu.spend_delay() == 0.05 and time.perf_counter() - began >= 0.05  # a CPU rank computes it

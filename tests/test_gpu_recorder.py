@@ -120,3 +120,38 @@ def test_gpu_step_times_are_periods_read_as_the_device_passes_them(monkeypatch):
     seconds = timer.seconds()
     assert len(seconds) == 50 and all(value >= 0.002 for value in seconds[:-1])
     assert 0.001 <= seconds[-1] < seconds[0] + 0.5  # the last runs from its begin to its end
+
+
+def test_a_collective_that_ran_in_the_compute_stream_is_all_exposed(recorder, monkeypatch):
+    recorder.begin_step(0)
+    token = recorder.issued("cuda")
+    time.sleep(0.006)  # nccl's synchronous all-reduce, run on the compute stream
+    recorder.ran_in_stream("all_reduce", 1024, token)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: "all-gather stream")
+    other = recorder.issued("cuda")
+    time.sleep(0.004)  # FSDP's all-gather on its own stream: overlapped, not exposed
+    recorder.ran_in_stream("all_gather", 4096, other)
+    recorder.end_step(samples=8, tokens=None, loss=None)
+    recorder.finish()
+    (row,) = recorder.rows
+    assert row["bytes"] == {"all_reduce": 1024, "all_gather": 4096}
+    assert 0.006 <= row["exposed_comm"] < 0.0095
+    assert row["comm"]["all_gather"] >= 0.004
+
+
+def test_losses_go_through_reused_host_slots_read_once_their_step_has_passed():
+    made = []
+
+    def allocate():
+        made.append(torch.empty(()))
+        return made[-1]
+
+    slots = gpu_instruments.LossSlots(allocate, device_type="cpu")  # CPU tensors stand in for GPU ones
+    first = slots.copy(torch.tensor(2.5))
+    second = slots.copy(torch.tensor(1.5, dtype=torch.float64))
+    assert len(made) == 2 and slots.read(first) == 2.5 and slots.read(second) == 1.5
+    third = slots.copy(torch.tensor(0.5))
+    assert len(made) == 2 and third.tensor is made[1]  # a read slot is used again
+    assert slots.read(third) == 0.5
+    assert slots.copy(None) is None and slots.read(None) is None
+    assert slots.read(slots.copy(0.25)) == 0.25 and len(made) == 2  # a number is no device tensor

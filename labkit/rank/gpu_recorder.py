@@ -155,13 +155,15 @@ class LossSlots:
     row is made already holds the next step: every row would drain the GPU. Slots are
     reused once read, so only as many exist as steps wait to be read."""
 
-    def __init__(self, allocate=None) -> None:
+    def __init__(self, allocate=None, device_type: str = "cuda") -> None:
+        """``allocate``: makes one host scalar (pinned by default); ``device_type``: whose losses are copied."""
         self._allocate = allocate or (lambda: torch.empty((), dtype=torch.float32, pin_memory=True))
+        self._device_type = device_type
         self._free: list = []
 
     def copy(self, loss):
         """What stands for ``loss`` until its step's end event has passed (a GPU tensor: a pinned slot)."""
-        if not isinstance(loss, torch.Tensor) or loss.device.type != "cuda":
+        if not isinstance(loss, torch.Tensor) or loss.device.type != self._device_type:
             return loss
         slot = self._free.pop() if self._free else self._allocate()
         slot.copy_(loss.detach().float(), non_blocking=True)
