@@ -402,7 +402,7 @@ def performance(lab: Lab, plan: Plan, checks: list[Check], env: dict) -> dict:
     print(table(["batch", "plain", "torchrun", "lab", "lab+instr", "plain wall", *TARGETS], rows))
     print(f"(medians of {rounds} runs; per-step times from {'CUDA events' if plan.cuda else 'perf_counter'}, "
           f"first {plan.warmup} steps left out; 'plain wall': its wall time per step, data generation included; "
-          f"plain uses AdamW's defaults, the lab labkit.rank.loop.make_optimizer)")
+          f"plain uses AdamW's defaults, the lab labkit.rank.optimizers.make_optimizer)")
     return result
 
 

@@ -82,3 +82,54 @@ def test_the_rank_side_is_the_only_one_importing_torch_at_module_level():
 def test_no_module_is_over_400_lines():
     long = {str(p.relative_to(PACKAGE)): n for p in PACKAGE.rglob("*.py") if (n := len(p.read_text().splitlines())) > 400}
     assert long == {}
+
+
+def _imports_between_modules() -> dict[str, set[str]]:
+    """labkit module -> the labkit modules it imports, at module level or inside functions."""
+    modules = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph = {}
+    for name, path in modules.items():
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                assert node.level == 0, f"{name}: a relative import (labkit imports by full name)"
+                found |= {node.module, *(f"{node.module}.{alias.name}" for alias in node.names)}
+            elif isinstance(node, ast.Import):
+                found |= {alias.name for alias in node.names}
+        graph[name] = {target for target in found if target in modules and target != name}
+    return graph
+
+
+def _cycle_from(graph: dict[str, set[str]]) -> list[str]:
+    """One import cycle of ``graph`` (its modules in order), or [] when there is none."""
+    state, path = {}, []
+
+    def visit(module: str) -> list[str]:
+        state[module], path[len(path):] = "open", [module]
+        for target in sorted(graph[module]):
+            if state.get(target) == "open":
+                return path[path.index(target):] + [target]
+            if target not in state and (cycle := visit(target)):
+                return cycle
+        state[module] = "done"
+        path.pop()
+        return []
+
+    for module in sorted(graph):
+        if module not in state and (cycle := visit(module)):
+            return cycle
+    return []
+
+
+def test_no_import_cycle_between_labkit_modules():
+    # Imports inside functions count too: a cycle there still ties the modules together.
+    cycle = _cycle_from(_imports_between_modules())
+    assert cycle == [], "import cycle: " + " -> ".join(cycle)
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert _cycle_from({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
+    assert _cycle_from({"a": {"b"}, "b": set()}) == []

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from labkit.cluster.placement import gpu_index, gpus_shown
 from labkit.rank import torch_internals
-from labkit.rank.recorder import recorder_for
+from labkit.rank.recorders import recorder_for
 from labkit.rank.slow_link import LinkState, QuietRecorder
 from labkit.rank.timed_group import instrument_mesh
 

@@ -8,7 +8,7 @@ importing the heavy modules there, where torch is already loaded.
 
 from __future__ import annotations
 
-RUNTIME_NAME = "__labkit__"
+from labkit.rank.current import RUNTIME_NAME, this_rank  # noqa: F401 - both sides reach them here too
 
 
 SLOT_VARIABLE = "LABKIT_SLOT"  # how an engine came: "rank3" (the lab's own launcher), "set:ranks2", "joined"
@@ -70,21 +70,6 @@ def become_rank(settings: dict) -> dict:
     from labkit.rank.runtime import RankRuntime
 
     return RankRuntime(namespace, settings).identity()
-
-
-def this_rank():
-    """Inside a rank: its runtime (``.rank``, ``.world_size``, ``.mesh``, ``.device``, ``.state``).
-
-    For functions defined in modules, which do not see the rank's namespace.
-    """
-    from IPython import get_ipython
-
-    shell = get_ipython()
-    namespace = shell.user_ns if shell is not None else {}
-    if RUNTIME_NAME not in namespace:
-        problem = namespace.get("__labkit_install_error__", "the engine was not started by labkit")
-        raise RuntimeError(f"this engine has no labkit runtime:\n{problem}")
-    return namespace[RUNTIME_NAME]
 
 
 def identity() -> dict:
@@ -223,7 +208,7 @@ def load_checkpoint(config, directory: str, step: int, same_world: bool, timeout
 
     def load():
         from labkit.rank.checkpoint import load as load_state
-        from labkit.rank.loop import make_optimizer
+        from labkit.rank.optimizers import make_optimizer
         from labkit.rank.state import build_state
 
         runtime.train_state = None  # the old model's memory goes before the new one is built

@@ -22,43 +22,23 @@ import contextlib
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from labkit.rank.context import ScriptContext  # noqa: F401 - the benchmarks' way in, beside train
 from labkit.rank.control import ControlChannel
-from labkit.rank.entry import this_rank
+from labkit.rank.current import this_rank
 from labkit.rank.environment import device_name
 from labkit.rank.host_staging import PinnedStaging
+from labkit.rank.lab_traffic import control_tensor
 from labkit.rank.memory import estimated_bytes, local_bytes, memory_bytes
+from labkit.rank.optimizers import make_optimizer
 from labkit.rank.periodic_checkpoints import PeriodicCheckpoints
 from labkit.rank.recorder import Publisher
 from labkit.rank.state import state_for
 from labkit.rank.step_timer import StepTimer
-from labkit.rank.torch_internals import device_types
 from labkit.spec.train_config import OPTIMIZERS, TrainConfig
 from labkit.strategies.catalog import DATA_AXES, strategy
 from labkit.strategies.compose import shard_for_memory_estimate
 from labkit.zoo.models import build_model
-
-
-def make_optimizer(parameters, config: TrainConfig, device: torch.device = torch.device("cpu")) -> torch.optim.Optimizer:
-    """SGD or AdamW over ``parameters``.
-
-    On CPU, one tensor at a time (``foreach=False``): the same per-parameter
-    arithmetic on plain and sharded tensors. On a GPU that would launch a dozen
-    small kernels per parameter, so AdamW updates many tensors per kernel
-    (``foreach``); a foreach kernel cannot mix DTensors with plain tensors, so
-    they go in separate parameter groups.
-    """
-    parameters = list(parameters)
-    foreach = device.type == "cuda"
-    if foreach:
-        sharded = [p for p in parameters if isinstance(p, DTensor)]
-        plain = [p for p in parameters if not isinstance(p, DTensor)]
-        parameters = [{"params": group} for group in (sharded, plain) if group]
-    if config.optimizer == "sgd":
-        return torch.optim.SGD(parameters, lr=config.lr, foreach=foreach)
-    return torch.optim.AdamW(parameters, lr=config.lr, weight_decay=0.0, foreach=foreach)
 
 
 @contextlib.contextmanager
@@ -87,15 +67,6 @@ def to_device(tensors, staging: PinnedStaging | None) -> tuple[torch.Tensor, ...
     """A batch on the rank's device: as it is on the host; to a GPU through the run's pinned buffers,
     without waiting (a copy from pageable memory makes the CPU wait for the GPU to reach it)."""
     return tuple(tensors) if staging is None else staging.to_device(tensors)
-
-
-def control_tensor(values, dtype=torch.float32, group=None) -> torch.Tensor:
-    """A small tensor for the lab's own traffic: on CPU when the group carries CPU tensors
-    (gloo, or gloo beside nccl), else on this process's GPU (a group of nccl alone)."""
-    group = group or dist.group.WORLD
-    if any(device.type == "cpu" for device in device_types(group)):
-        return torch.tensor(values, dtype=dtype)
-    return torch.tensor(values, dtype=dtype, device=torch.device("cuda", torch.cuda.current_device()))
 
 
 def _coordinate(mesh, config: TrainConfig) -> dict[str, int]:

@@ -26,7 +26,7 @@ consecutive moments it was sampled.
 
 The CPU-clock method assumes the rank blocks only on communication (the zoo's
 data is generated in memory). GPU ranks use ``gpu_instruments.CudaStepRecorder``
-instead, which makes the same rows from CUDA events; ``recorder_for`` picks one.
+instead, which makes the same rows from CUDA events; ``recorders.recorder_for`` picks one.
 """
 
 from __future__ import annotations
@@ -73,15 +73,6 @@ class MainThreadClock:
         if self._schedstat is not None:
             os.close(self._schedstat)
             self._schedstat = None
-
-
-def recorder_for(rank: int, device):
-    """The step recorder that can see this rank's work: CPU clocks, or CUDA events on a GPU."""
-    if getattr(device, "type", "cpu") == "cuda":
-        from labkit.rank.gpu_recorder import CudaStepRecorder
-
-        return CudaStepRecorder(rank, device)
-    return StepRecorder(rank)
 
 
 def newest_rows(rows: deque, count: int) -> list[dict]:

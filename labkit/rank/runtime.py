@@ -35,11 +35,11 @@ import torch.distributed as dist
 from labkit.cluster.placement import gpu_index, gpus_shown
 from labkit.rank.context import RankContext
 from labkit.spec.schema import FailureKind
-from labkit.rank.entry import RUNTIME_NAME
+from labkit.rank.current import RUNTIME_NAME
 from labkit.rank.lab_groups import LabGroups
 from labkit.rank.environment import (device_name, process_group_backend, seed_as_asked, seed_independently,
                                      nccl_seconds, torchrun_environment)
-from labkit.rank.recorder import recorder_for
+from labkit.rank.recorders import recorder_for
 from labkit.rank.torch_internals import reset_ddp_reducer, set_group_timeout
 from labkit.rank.user_process import UserProcess
 from labkit.rank.whereabouts import Whereabouts
@@ -390,9 +390,10 @@ def _hint(error: BaseException) -> str:
 
 def _user_traceback(error: BaseException) -> str:
     """The traceback from the user's code down, without the runtime's own frames."""
-    from labkit.rank import entry, script
+    from labkit.rank import script
 
-    own = {__file__, script.__file__, entry.__file__}
+    # entry's frames by its file's name: entry calls into this module, which never imports it back
+    own = {__file__, script.__file__, os.path.join(os.path.dirname(__file__), "entry.py")}
     tb = error.__traceback__
     while tb is not None and tb.tb_frame.f_code.co_filename in own:
         tb = tb.tb_next

@@ -35,7 +35,8 @@ from torch.distributed.tensor import DTensor
 
 from labkit.zoo.data import dataset_for, loss_function
 from labkit.zoo.models import build_model
-from labkit.rank.loop import control_tensor, make_optimizer
+from labkit.rank.lab_traffic import control_tensor
+from labkit.rank.optimizers import make_optimizer
 from labkit.rank.torch_internals import DTENSOR_REDISTRIBUTE_LOGGER
 from labkit.spec.train_config import TrainConfig
 from labkit.spec.schema import Verdict, equivalence_bound

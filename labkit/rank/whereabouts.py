@@ -60,7 +60,7 @@ def current_work_id() -> str | None:
 
 def group_state() -> dict:
     """This rank's process groups now: for the notebook, about ranks that are not in the work."""
-    from labkit.rank.entry import this_rank
+    from labkit.rank.current import this_rank
 
     return this_rank().groups.state()
 

@@ -1,0 +1,28 @@
+"""The optimizer a training run builds over what a rank holds: the loop's, the reference's, DiLoCo's inner ones."""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from labkit.spec.train_config import TrainConfig
+
+
+def make_optimizer(parameters, config: TrainConfig, device: torch.device = torch.device("cpu")) -> torch.optim.Optimizer:
+    """SGD or AdamW over ``parameters``.
+
+    On CPU, one tensor at a time (``foreach=False``): the same per-parameter
+    arithmetic on plain and sharded tensors. On a GPU that would launch a dozen
+    small kernels per parameter, so AdamW updates many tensors per kernel
+    (``foreach``); a foreach kernel cannot mix DTensors with plain tensors, so
+    they go in separate parameter groups.
+    """
+    parameters = list(parameters)
+    foreach = device.type == "cuda"
+    if foreach:
+        sharded = [p for p in parameters if isinstance(p, DTensor)]
+        plain = [p for p in parameters if not isinstance(p, DTensor)]
+        parameters = [{"params": group} for group in (sharded, plain) if group]
+    if config.optimizer == "sgd":
+        return torch.optim.SGD(parameters, lr=config.lr, foreach=foreach)
+    return torch.optim.AdamW(parameters, lr=config.lr, weight_decay=0.0, foreach=foreach)
