@@ -24,7 +24,6 @@ import torch
 import torch.distributed as dist
 
 from labkit.rank.context import ScriptContext  # noqa: F401 - the benchmarks' way in, beside train
-from labkit.rank.control import ControlChannel
 from labkit.rank.current import this_rank
 from labkit.rank.environment import device_name
 from labkit.rank.host_staging import PinnedStaging
@@ -32,7 +31,7 @@ from labkit.rank.lab_traffic import control_tensor
 from labkit.rank.memory import estimated_bytes, local_bytes, memory_bytes
 from labkit.rank.optimizers import make_optimizer
 from labkit.rank.periodic_checkpoints import PeriodicCheckpoints
-from labkit.rank.recorder import Publisher
+from labkit.rank.run_instruments import instruments_for
 from labkit.rank.state import state_for
 from labkit.rank.step_timer import StepTimer
 from labkit.spec.train_config import OPTIMIZERS, TrainConfig
@@ -71,16 +70,6 @@ def to_device(tensors, staging: PinnedStaging | None) -> tuple[torch.Tensor, ...
 
 def _coordinate(mesh, config: TrainConfig) -> dict[str, int]:
     return {name: mesh.get_local_rank(name) for name in config.mesh_names}
-
-
-STOP_CHECK_EVERY = 4  # steps between agreements on a stop request (one 4-byte all-reduce)
-
-
-def _agree_to_stop(requested: bool) -> bool:
-    """All ranks stop at the same step boundary, or none would be left waiting in a collective."""
-    flag = control_tensor([1.0 if requested else 0.0])
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag.item())
 
 
 class LossLog:
@@ -161,11 +150,7 @@ def _train(config: TrainConfig, runtime) -> dict:
     recorder = runtime.recorder
     recorder.clear()  # rows and timeline describe this run only
     parallel.strategy_results.clear()  # and so do what the strategy measured
-    if config.instruments:
-        parallel.backward_watch = recorder.backward_watch
-        recorder.watch_module_waits(parallel.module)
-    control = ControlChannel(runtime.store if config.instruments else None, runtime.rank, device=runtime.device)
-    publisher = Publisher(recorder) if config.instruments else None
+    instruments = instruments_for(config, runtime, parallel)
     timer = StepTimer(device)
     losses = LossLog(config, mesh, parallel, recorder, reporter, timer)
     samples = config.global_batch // config.data_parts if parallel.data_share is not None else 0
@@ -174,15 +159,12 @@ def _train(config: TrainConfig, runtime) -> dict:
     staging = batch_staging(device)  # one per run: its buffers are reused by every step
     checkpoints = PeriodicCheckpoints(config) if config.checkpoint_every else None
     for step in range(config.steps):  # this run's steps; the data position is the state's
-        control.poll()
-        if step and step % STOP_CHECK_EVERY == 0 and config.instruments and _agree_to_stop(control.stop_requested):
+        if instruments.stop_agreed(step):
             break
         inputs, targets = parallel.batch_slice(data.batch(state.step, config.global_batch))
         inputs, targets = to_device((inputs, targets), staging)
         timer.begin()
-        if config.instruments:
-            recorder.begin_step(state.step)  # rows count steps from the run's start, across continuations
-        delay = control.spend_delay()
+        delay = instruments.begin_step(state.step)  # rows count steps from the run's start, across continuations
         optimizer.zero_grad(set_to_none=True)
         loss = parallel.forward_backward(inputs, targets)
         state.updating = True
@@ -190,17 +172,12 @@ def _train(config: TrainConfig, runtime) -> dict:
         state.updating = False
         state.finish_step()
         timer.end()
-        if config.instruments:
-            recorder.end_step(samples, tokens, loss, delay)
+        instruments.end_step(samples, tokens, loss, delay)
         losses.add(step, loss)
-        if config.instruments:
-            publisher.maybe_publish()
-        if config.checkpoint_every and state.step % config.checkpoint_every == 0:
+        if checkpoints is not None and state.step % config.checkpoint_every == 0:
             saved.append(checkpoints.save(state))
     losses.print_due()
-    recorder.finish()
-    if publisher is not None:
-        publisher.maybe_publish(force=True)
+    instruments.finish()
     state.pause()
     step_seconds = timer.seconds()
     result = {
@@ -213,8 +190,8 @@ def _train(config: TrainConfig, runtime) -> dict:
         "step_seconds": step_seconds,
         "steps_done": len(step_seconds),
         "memory": memory_bytes(parallel.module, optimizer, parallel.extra_state.values()),
-        "rows": list(recorder.rows) if config.instruments else [],
-        "timeline": list(recorder.timeline) if config.instruments else [],
+        "rows": instruments.rows(),
+        "timeline": instruments.timeline(),
         "device_name": device_name(device),
         "checkpoints": saved,
         "strategy_results": dict(parallel.strategy_results),
