@@ -124,7 +124,7 @@ def test_background_dashboard_redraws_while_training(lab):
         assert "samples/s" in run.dashboard.header.value
     finally:
         run.stop()
-    run.wait()
+        run.wait()  # also after a failed check: the next test needs the lab idle
     assert run.dashboard.stop_button.description == "Done"
 
 

@@ -8,7 +8,6 @@ learns that a rank is gone from the controller's heartbeats, as it would on a cl
 from __future__ import annotations
 
 import shlex
-import shutil
 import signal
 import subprocess
 import sys
@@ -71,8 +70,7 @@ def test_mpi_launched_ranks_train_and_a_killed_rank_takes_its_mpi_job_and_is_hea
         assert report.equivalent is True
     finally:
         lab.stop()
-    assert shutil.which("pgrep") is None or subprocess.run(["pgrep", "-f", "hydra_pmi_proxy"],
-                                                           capture_output=True).returncode == 1
+    assert _processes_named("hydra_pmi_proxy") == [], "MPI's proxies outlived the lab"
 
 
 def test_ipyparallels_local_launcher_signals_through_the_nanny_and_heals_a_frozen_rank():
@@ -92,6 +90,17 @@ def test_ipyparallels_local_launcher_signals_through_the_nanny_and_heals_a_froze
         assert lab.run(who) == [(0, 2), (1, 2)]
     finally:
         lab.stop()
+
+
+def _processes_named(fragment: str) -> list[int]:
+    """Living processes of this machine whose command line holds ``fragment``."""
+    import psutil
+
+    found = []
+    for process in psutil.process_iter(["cmdline"]):
+        if fragment in " ".join(process.info["cmdline"] or []) and _alive(process.pid):
+            found.append(process.pid)
+    return found
 
 
 def _alive(pid: int) -> bool:

@@ -97,6 +97,13 @@ def test_check_stages_refuses_more_stages_than_layers(config, pp, message):
 @pytest.mark.parametrize("config, pp", [(MLPConfig(dims=(8, 16, 4)), 2), (GPTConfig(layers=4), 4), (GPTConfig(), 1)])
 def test_check_stages_accepts_a_stage_per_layer_or_fewer(config, pp):
     config.check_stages(pp)
+    # What it accepted can be cut so: every stage keeps at least one of the model's layers.
+    name = "mlp" if isinstance(config, MLPConfig) else "gpt"
+    for stage in range(pp):
+        model = build_model(name, config, seed=0)
+        model.keep_stage(stage, pp)
+        kept = model.layers if name == "mlp" else model.blocks
+        assert len(kept) >= 1, (stage, pp)
 
 
 def test_tp_checks_the_pairs_each_pipeline_stage_makes():
