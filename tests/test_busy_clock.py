@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from labkit.rank.recorder import MainThreadClock
+from labkit.rank.instruments.recorder import MainThreadClock
 
 pytestmark = pytest.mark.skipif(not os.path.exists(f"/proc/self/task/{os.getpid()}/schedstat")
                                 or not hasattr(os, "sched_setaffinity"),

@@ -169,7 +169,7 @@ def test_a_gpu_rank_spends_its_slowdown_in_its_stream_not_on_its_cpu(monkeypatch
 
     import torch
 
-    from labkit.rank import gpu_delay
+    from labkit.rank.instruments import gpu_delay
 
     held = []
     monkeypatch.setattr(gpu_delay.StreamDelay, "calibrate", lambda self: 1e9)  # cycles per second

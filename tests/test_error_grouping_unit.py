@@ -56,7 +56,7 @@ def test_gloo_connection_errors_from_different_ports_group():
     assert "[127.0.0.1]:45123" in failure.details()
 
 
-TIMED_GROUP = "<labkit.rank.timed_group.TimedGroup object at {address}>"
+TIMED_GROUP = "<labkit.rank.instruments.timed_group.TimedGroup object at {address}>"
 
 
 def test_tracebacks_whose_object_reprs_differ_group_but_different_lines_or_types_do_not():
@@ -74,7 +74,7 @@ def test_tracebacks_whose_object_reprs_differ_group_but_different_lines_or_types
                    _traceback("ValueError", message.format(address=ADDRESSES[3]), line=4)),
     }
     failure = RankFailure(reports)
-    assert failure.summary().startswith(f"ranks 0, 1, 2 raised RuntimeError: all_reduce on <labkit.rank.timed_group"
+    assert failure.summary().startswith(f"ranks 0, 1, 2 raised RuntimeError: all_reduce on <labkit.rank.instruments.timed_group"
                                         f".TimedGroup object at {ADDRESSES[0]}> timed out; rank 3 raised ValueError")
     headers = [line for line in failure.details().splitlines() if line.startswith("---")]
     assert headers == [

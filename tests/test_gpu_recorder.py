@@ -13,8 +13,8 @@ import time
 import pytest
 import torch
 
-from labkit.rank import gpu_recorder as gpu_instruments
-from labkit.rank.gpu_recorder import CudaStepRecorder
+from labkit.rank.instruments import gpu_recorder as gpu_instruments
+from labkit.rank.instruments.gpu_recorder import CudaStepRecorder
 
 
 class StandInEvent:
@@ -106,7 +106,7 @@ def test_waits_off_the_compute_stream_and_outside_steps_are_not_exposed(recorder
 
 
 def test_gpu_step_times_are_periods_read_as_the_device_passes_them(monkeypatch):
-    from labkit.rank import step_timer as step_timer
+    from labkit.rank.instruments import step_timer as step_timer
 
     monkeypatch.setattr(step_timer, "_cuda_event", recording_into([]))
     timer = step_timer.StepTimer(torch.device("cuda"))

@@ -7,7 +7,7 @@ the same row a CPU rank makes; these tests feed it times by hand.
 import pytest
 
 from labkit.spec.device_peaks import peak_tflops
-from labkit.rank.gpu_recorder import assemble_row, exposed_regions, union_length
+from labkit.rank.instruments.gpu_recorder import assemble_row, exposed_regions, union_length
 from labkit.zoo.configs import GPTConfig, MLPConfig
 from labkit.zoo.models import MLP, TinyGPT
 from labkit.spec.train_config import resolve

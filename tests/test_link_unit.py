@@ -245,7 +245,7 @@ class _Recorder:
 
 
 def test_the_wire_completes_collectives_one_after_another_and_after_their_time():
-    from labkit.rank.slow_link import LinkState
+    from labkit.rank.instruments.slow_link import LinkState
 
     link, recorder = LinkState(), _Recorder()
     link.spec = LinkSpec(None, 0.01)  # 6 rounds on 4 ranks: 60 ms per all-reduce
@@ -263,7 +263,7 @@ def test_the_wire_completes_collectives_one_after_another_and_after_their_time()
 
 
 def test_a_failed_collective_fails_at_once_and_no_link_means_the_fast_path():
-    from labkit.rank.slow_link import LinkState
+    from labkit.rank.instruments.slow_link import LinkState
 
     link, recorder = LinkState(), _Recorder()
     link.spec = LinkSpec(None, 10.0)

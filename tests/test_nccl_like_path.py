@@ -26,9 +26,9 @@ import torch.multiprocessing as mp
 
 from labkit.rank import torch_internals
 from labkit.rank.environment import nccl_seconds
-from labkit.rank.recorder import StepRecorder
-from labkit.rank.slow_link import LinkState
-from labkit.rank.timed_group import wrap_group
+from labkit.rank.instruments.recorder import StepRecorder
+from labkit.rank.instruments.slow_link import LinkState
+from labkit.rank.instruments.timed_group import wrap_group
 from labkit.spec.link import LinkSpec
 from tests.nccl_like_group import NcclLikeGroup
 
@@ -162,7 +162,7 @@ def test_a_step_that_fails_inside_a_batch_posts_nothing_more_and_the_error_shows
     class Coalescing:
         supports_coalescing = True
 
-    from labkit.rank.timed_group import TimedGroup
+    from labkit.rank.instruments.timed_group import TimedGroup
 
     group = TimedGroup.__new__(TimedGroup)  # only the batching state is used here: no real group needed
     group.inner, group._p2p_batch = Coalescing(), None

@@ -59,7 +59,7 @@ def link_on_rank():
     the link while one is set)."""
     import torch.distributed as dist
 
-    from labkit.rank.timed_group import TimedGroup
+    from labkit.rank.instruments.timed_group import TimedGroup
 
     return this_rank().link.spec, isinstance(dist.group.WORLD, TimedGroup)
 

@@ -23,8 +23,8 @@ import contextlib
 
 from torch.distributed.fsdp import FSDPModule
 
-from labkit.rank.gpu_recorder import calling_at_backward_end
-from labkit.rank.recorder import StepRecorder
+from labkit.rank.instruments.gpu_recorder import calling_at_backward_end
+from labkit.rank.instruments.recorder import StepRecorder
 from labkit.rank.loop import train
 from labkit.spec.train_config import resolve
 
@@ -55,7 +55,7 @@ class WaitWatchingRecorder(StepRecorder):
 def timed_groups():
     from torch.distributed import distributed_c10d as c10d
 
-    from labkit.rank.timed_group import TimedGroup
+    from labkit.rank.instruments.timed_group import TimedGroup
 
     return [group for group in list(c10d._world.pg_map) if isinstance(group, TimedGroup)]
 

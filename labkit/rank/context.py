@@ -15,9 +15,9 @@ import torch.distributed as dist
 
 from labkit.cluster.placement import gpu_index, gpus_shown
 from labkit.rank import torch_internals
-from labkit.rank.recorders import recorder_for
-from labkit.rank.slow_link import LinkState, QuietRecorder
-from labkit.rank.timed_group import instrument_mesh
+from labkit.rank.instruments.recorders import recorder_for
+from labkit.rank.instruments.slow_link import LinkState, QuietRecorder
+from labkit.rank.instruments.timed_group import instrument_mesh
 
 
 class RankContext:

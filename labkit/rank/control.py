@@ -7,7 +7,7 @@ when the version changed, so a training step pays almost nothing for it.
 
 An injected slowdown is spent where the rank's work runs: on a CPU rank as a
 busy-wait (a slow device computes; it does not sleep), on a GPU rank in its
-compute stream (``rank.gpu_delay``), since a CPU running ahead of its GPU would
+compute stream (``rank.instruments.gpu_delay``), since a CPU running ahead of its GPU would
 absorb a delay spent on the CPU and the step would not be slower.
 """
 
@@ -17,7 +17,7 @@ import json
 import time
 
 from labkit.cluster.control import REQUEST_KEY, SLOW_KEY, STOP_KEY, VERSION_KEY
-from labkit.rank.gpu_delay import StreamDelay
+from labkit.rank.instruments.gpu_delay import StreamDelay
 
 POLL_SECONDS = 0.05
 

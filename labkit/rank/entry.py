@@ -165,7 +165,7 @@ def seed(value: int, same: bool) -> int:
 
 def set_link(spec) -> str:
     """Give this rank's collectives the simulated link ``spec`` (a ``spec.link.LinkSpec``; None: off)."""
-    from labkit.rank.slow_link import apply_link
+    from labkit.rank.instruments.slow_link import apply_link
 
     return apply_link(this_rank(), spec)
 

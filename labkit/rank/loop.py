@@ -31,9 +31,9 @@ from labkit.rank.lab_traffic import control_tensor
 from labkit.rank.memory import estimated_bytes, local_bytes, memory_bytes
 from labkit.rank.optimizers import make_optimizer
 from labkit.rank.periodic_checkpoints import PeriodicCheckpoints
-from labkit.rank.run_instruments import instruments_for
+from labkit.rank.instruments.run_instruments import instruments_for
 from labkit.rank.state import state_for
-from labkit.rank.step_timer import StepTimer
+from labkit.rank.instruments.step_timer import StepTimer
 from labkit.spec.train_config import OPTIMIZERS, TrainConfig
 from labkit.strategies.catalog import DATA_AXES, strategy
 from labkit.strategies.compose import shard_for_memory_estimate

@@ -39,7 +39,7 @@ from labkit.rank.current import RUNTIME_NAME
 from labkit.rank.lab_groups import LabGroups
 from labkit.rank.environment import (device_name, process_group_backend, seed_as_asked, seed_independently,
                                      nccl_seconds, torchrun_environment)
-from labkit.rank.recorders import recorder_for
+from labkit.rank.instruments.recorders import recorder_for
 from labkit.rank.torch_internals import reset_ddp_reducer, set_group_timeout
 from labkit.rank.user_process import UserProcess
 from labkit.rank.whereabouts import Whereabouts

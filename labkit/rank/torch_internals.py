@@ -59,7 +59,7 @@ def missing_internals() -> list[str]:
         "Work._source_rank": lambda: dist.Work._source_rank,
         "ProcessGroup._start_coalescing": lambda: dist.ProcessGroup._start_coalescing,
         "ProcessGroup._end_coalescing": lambda: dist.ProcessGroup._end_coalescing,
-        # Names torch calls on a ProcessGroup written in Python (labkit.rank.timed_group overrides them).
+        # Names torch calls on a ProcessGroup written in Python (labkit.rank.instruments.timed_group overrides them).
         "ProcessGroup._allgather_base": lambda: dist.ProcessGroup._allgather_base,
         "ProcessGroup._reduce_scatter_base": lambda: dist.ProcessGroup._reduce_scatter_base,
         "cuda._sleep": lambda: torch.cuda._sleep,

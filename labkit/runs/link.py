@@ -5,7 +5,7 @@ parses it and holds the model). It then lives in two places that the session
 keeps together: ``session.link`` in the notebook, which every process group the
 session forms hands to its ranks (so a rank replaced after a failure, or a lab
 restarted, gets the same link), and each rank's ``LinkState``
-(``labkit.rank.slow_link``), which delays its collectives. It is sent to idle
+(``labkit.rank.instruments.slow_link``), which delays its collectives. It is sent to idle
 ranks only: a training run in progress keeps the link it started with.
 
 Setting a link returns it (the notebook shows it); removing one says so. A wait

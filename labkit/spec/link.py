@@ -3,7 +3,7 @@
 ``lab.link(bandwidth="100Mbit", latency="20ms")`` makes the lab's collectives
 behave as if the ranks talked over a wide-area link. Nothing touches the host's
 network: each rank's process groups complete their work later (see
-``labkit.rank.slow_link``), by the time this model gives.
+``labkit.rank.instruments.slow_link``), by the time this model gives.
 
 The model. A collective over ``n`` ranks is a number of sequential message
 rounds; each round pays the latency once, and the bytes a rank puts on the wire

@@ -42,7 +42,7 @@ class RankReport(TypedDict, total=False):
 
 
 class StepRow(TypedDict):
-    """One training step on one rank, as the instruments measured it (``rank.recorder``)."""
+    """One training step on one rank, as the instruments measured it (``rank.instruments.recorder``)."""
 
     step: int  # counted from the start of this run
     rank: int

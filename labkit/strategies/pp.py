@@ -17,7 +17,7 @@ nccl pitfall: a send is a kernel that ends only once the peer receives, so two
 neighbouring stages that each send before they receive would block each other;
 torch posts each batch of sends and receives as one nccl group, but not through
 the lab's timed group (a Python subclass). The step runs with the group's
-``p2p_batched``, which posts them together as torch would (``rank.p2p_batch``).
+``p2p_batched``, which posts them together as torch would (``rank.instruments.p2p_batch``).
 
 gloo pitfall (pytorch#132644): the schedules send and receive with
 ``batch_isend_irecv``, which used to hang on gloo because only one of gloo's

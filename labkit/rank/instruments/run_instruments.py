@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from labkit.rank.control import ControlChannel
 from labkit.rank.lab_traffic import control_tensor
-from labkit.rank.recorder import Publisher
+from labkit.rank.instruments.recorder import Publisher
 
 STOP_CHECK_EVERY = 4  # steps between agreements on a stop request
 

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from labkit.rank import torch_internals
-from labkit.rank.p2p_batch import P2PBatch
+from labkit.rank.instruments.p2p_batch import P2PBatch
 
 
 def _bytes(value) -> int:
@@ -243,7 +243,7 @@ class TimedGroup(dist.ProcessGroup):
     @contextlib.contextmanager
     def p2p_batched(self, device):
         """Within: sends and receives on ``device`` are posted together, as one coalesced group, when a
-        backend that coalesces carries them (nccl; see ``rank.p2p_batch``); elsewhere nothing changes."""
+        backend that coalesces carries them (nccl; see ``rank.instruments.p2p_batch``); elsewhere nothing changes."""
         if self._p2p_batch is not None or not torch_internals.coalesces_p2p(self.live(), device):
             yield
             return

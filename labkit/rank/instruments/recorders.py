@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from labkit.rank.gpu_recorder import CudaStepRecorder
-from labkit.rank.recorder import StepRecorder
+from labkit.rank.instruments.gpu_recorder import CudaStepRecorder
+from labkit.rank.instruments.recorder import StepRecorder
 
 
 def recorder_for(rank: int, device):

@@ -43,7 +43,7 @@ from collections import deque
 
 import torch
 
-from labkit.rank.recorder import ROW_CAPACITY, TIMELINE_STEPS, newest_rows
+from labkit.rank.instruments.recorder import ROW_CAPACITY, TIMELINE_STEPS, newest_rows
 from labkit.rank.torch_internals import at_end_of_backward
 from labkit.spec.schema import StepRow, TimelineStep
 

@@ -37,8 +37,8 @@ from collections import deque
 import torch
 import torch.distributed as dist
 
-from labkit.rank.gpu_delay import StreamDelay
-from labkit.rank.timed_group import TimedWork, instrument_mesh
+from labkit.rank.instruments.gpu_delay import StreamDelay
+from labkit.rank.instruments.timed_group import TimedWork, instrument_mesh
 
 
 class QuietRecorder:
