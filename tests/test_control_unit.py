@@ -175,13 +175,24 @@ def test_a_gpu_rank_spends_its_slowdown_in_its_stream_not_on_its_cpu(monkeypatch
     monkeypatch.setattr(gpu_delay.StreamDelay, "calibrate", lambda self: 1e9)  # cycles per second
     monkeypatch.setattr(gpu_delay, "spin_gpu", lambda cycles: held.append(cycles))
     monkeypatch.setattr(torch.cuda, "device", lambda device: __import__("contextlib").nullcontext())
-    channel = ControlChannel(None, rank=1, device=torch.device("cuda", 0))
+    channel = ControlChannel(None, rank=1, stream_delay=gpu_delay.StreamDelay(torch.device("cuda", 0)))
     channel.delay = 0.5
     began = time.perf_counter()
     assert channel.spend_delay() == 0.5
     assert time.perf_counter() - began < 0.1  # the CPU went on: the GPU's stream holds the delay
     assert held == [500_000_000]
-    cpu = ControlChannel(None, rank=1, device=torch.device("cpu"))
+    cpu = ControlChannel(None, rank=1)
     cpu.delay = 0.05
     began = time.perf_counter()
     assert cpu.spend_delay() == 0.05 and time.perf_counter() - began >= 0.05  # a CPU rank computes it
+
+
+def test_a_rank_calibrates_its_gpu_delay_once_for_every_run_and_the_link():
+    import torch
+
+    from labkit.rank.instruments.slow_link import LinkState
+
+    link = LinkState()
+    gpu = torch.device("cuda", 0)
+    assert link.stream_delay(gpu) is link.stream_delay(gpu)  # no calibration per run or per collective
+    assert link.stream_delay(gpu) is not link.stream_delay(torch.device("cuda", 1))

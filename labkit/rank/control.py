@@ -17,7 +17,6 @@ import json
 import time
 
 from labkit.cluster.control import REQUEST_KEY, SLOW_KEY, STOP_KEY, VERSION_KEY
-from labkit.rank.instruments.gpu_delay import StreamDelay
 
 POLL_SECONDS = 0.05
 
@@ -25,7 +24,8 @@ POLL_SECONDS = 0.05
 class ControlChannel:
     """This rank's view of the requests: ``stop_requested`` and its injected ``delay``."""
 
-    def __init__(self, store, rank: int, poll_seconds: float = POLL_SECONDS, device=None) -> None:
+    def __init__(self, store, rank: int, poll_seconds: float = POLL_SECONDS, stream_delay=None) -> None:
+        """``stream_delay``: a GPU rank's ``gpu_delay.StreamDelay`` (None: a CPU rank, which busy-waits)."""
         self.store = store  # a torch.distributed Store, or None: no requests can come
         self.rank = rank
         self.poll_seconds = poll_seconds
@@ -33,7 +33,7 @@ class ControlChannel:
         self._next_poll = 0.0
         self.stop_requested = False
         self.delay = 0.0
-        self._stream_delay = StreamDelay(device) if getattr(device, "type", "cpu") == "cuda" else None
+        self._stream_delay = stream_delay
 
     def poll(self) -> None:
         if self.store is None or time.monotonic() < self._next_poll:

@@ -40,7 +40,9 @@ class RunInstruments:
         parallel.backward_watch = self.recorder.backward_watch
         self.recorder.watch_module_waits(parallel.module)
         self.publisher = Publisher(self.recorder)
-        self.control = ControlChannel(runtime.store, runtime.rank, device=runtime.device)
+        device = runtime.device  # a GPU spends a slowdown in its stream, with the rank's calibrated delay
+        delay = runtime.link.stream_delay(device) if device.type == "cuda" else None
+        self.control = ControlChannel(runtime.store, runtime.rank, stream_delay=delay)
 
     def stop_agreed(self, step: int) -> bool:
         """Read the requests; every ``STOP_CHECK_EVERY`` steps, whether all ranks agree to stop here."""

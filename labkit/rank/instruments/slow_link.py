@@ -226,10 +226,15 @@ class LinkState:
         if device is None:
             self.wire.cross(seconds)
             return
+        self.stream_delay(device).delay(seconds)
+
+    def stream_delay(self, device) -> StreamDelay:
+        """This rank's way to hold ``device``'s stream back, calibrated once for the rank's life (the
+        link and ``%lab slow`` share it)."""
         delay = self._stream_delays.get(device)
         if delay is None:
             delay = self._stream_delays[device] = StreamDelay(device)
-        delay.delay(seconds)
+        return delay
 
     def _carry(self, finished, held, seconds: float, device) -> None:
         """The real collective is done (on the thread that completed it): hand it to the wire."""
