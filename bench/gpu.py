@@ -267,8 +267,8 @@ def print_environment(info: dict) -> None:
 
 def plain_loop(plan: Plan, batch: int) -> dict:
     """(a) The loop a careful user writes: same model and data, AdamW's defaults, losses read every 10 steps."""
-    from labkit.zoo.data import dataset_for
     from labkit.zoo.configs import model_config
+    from labkit.zoo.data import dataset_for
     from labkit.zoo.models import build_model
 
     device = torch.device(plan.device)
@@ -402,7 +402,7 @@ def performance(lab: Lab, plan: Plan, checks: list[Check], env: dict) -> dict:
     print(table(["batch", "plain", "torchrun", "lab", "lab+instr", "plain wall", *TARGETS], rows))
     print(f"(medians of {rounds} runs; per-step times from {'CUDA events' if plan.cuda else 'perf_counter'}, "
           f"first {plan.warmup} steps left out; 'plain wall': its wall time per step, data generation included; "
-          f"plain uses AdamW's defaults, the lab labkit.rank.optimizers.make_optimizer)")
+          f"plain uses AdamW's defaults, the lab labkit.torch_support.optimizers.make_optimizer)")
     return result
 
 

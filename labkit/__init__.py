@@ -28,7 +28,7 @@ _EXPORTS = {
     "LabBusy": "labkit.spec.errors",
     "TrainingRun": "labkit.runs.training_run",
     "TrainReport": "labkit.views.train_report",
-    "this_rank": "labkit.rank.entry",
+    "this_rank": "labkit.wire.entry",
     "torchrun": "labkit.runs.torchrun",
     "TaskFailed": "labkit.runs.task_results",
     "TorchrunFailed": "labkit.runs.torchrun",

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from labkit.cluster.launchers import choose_launcher
 from labkit.cluster.placement import RankPlan, plan_ranks
-from labkit.rank import entry
 from labkit.runs.push import push_values, run_on
 from labkit.runs.sources import read_script, script_argv
 from labkit.runs.status import LabStatus, collect_status
@@ -26,6 +25,7 @@ from labkit.spec.errors import LabConfigError
 from labkit.spec.mesh import MeshError, MeshSpec
 from labkit.units import positive_seconds
 from labkit.views.metrics import DEFAULT_THRESHOLD
+from labkit.wire import entry
 
 DEFAULT_TIMEOUT = 300.0
 DEFAULT_START_TIMEOUT = 60.0

@@ -13,7 +13,7 @@ changes them. Everything the notebook does with ranks goes through it:
 
 ``Lab`` is a thin facade over a session; the features in ``labkit.runs`` take a
 session. Nothing here imports torch: the ranks' code is reached through
-``labkit.rank.entry``.
+``labkit.wire.entry``.
 """
 
 from __future__ import annotations
@@ -30,12 +30,12 @@ from labkit.cluster.control import ControlRequests
 from labkit.cluster.launchers import LauncherChoice, choose_launcher
 from labkit.cluster.placement import RankPlan
 from labkit.cluster.rank_cluster import RankCluster
-from labkit.rank import entry
 from labkit.runs.dispatch import RankWork, make_output
 from labkit.runs.notebook_process import NotebookProcess
 from labkit.runs.recovery import stale_reason, unusable_note
 from labkit.runs.sources import notebook_sources
 from labkit.spec.call_arguments import chosen_ranks
+from labkit.wire import entry
 from labkit.spec.errors import (
     LabBusy,
     LabConfigError,

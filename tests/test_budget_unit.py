@@ -6,9 +6,10 @@ every byte in the message can be predicted.
 
 import pytest
 
-from labkit.runs.budget import MemoryBudgetError, check_budget, total_bytes
+from labkit.runs.budget import MemoryBudgetError, check_budget
 from labkit.spec.errors import LabError
 from labkit.spec.train_config import resolve
+from labkit.wire.schema import total_bytes
 
 BUDGET = 1_000_000  # "1MB": SI megabyte
 DDP_SENTENCE = "adding ranks never makes it fit"

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from labkit import Lab, LabBusy, LabConfigError, RankFailure
-from labkit.rank.entry import this_rank
+from labkit.wire.entry import this_rank
 
 pytestmark = pytest.mark.lab
 
@@ -21,7 +21,7 @@ def whole_parameters():
     """Every parameter gathered whole, by name, and the state's step."""
     from torch.distributed.tensor import DTensor
 
-    from labkit.rank.entry import this_rank as rank_runtime
+    from labkit.wire.entry import this_rank as rank_runtime
 
     state = rank_runtime().train_state
     return {name: (p.full_tensor() if isinstance(p, DTensor) else p.detach()).clone()
@@ -74,7 +74,7 @@ def test_a_save_cut_short_leaves_the_previous_checkpoint(lab, tmp_path):
         import os as _os
 
         import labkit.rank.checkpoint as checkpoint
-        from labkit.rank.entry import this_rank as rank_runtime
+        from labkit.wire.entry import this_rank as rank_runtime
 
         if rank_runtime().rank == 1:
             real = checkpoint.dcp.save
@@ -229,7 +229,7 @@ def _kill_rank_0_during_the_replacement(instant):
     import os as _os
 
     import labkit.rank.checkpoint_swap as swap
-    from labkit.rank.entry import this_rank as rank_runtime
+    from labkit.wire.entry import this_rank as rank_runtime
 
     if rank_runtime().rank != 0:
         return

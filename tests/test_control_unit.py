@@ -13,9 +13,10 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from labkit.cluster.control import REQUEST_KEY, SLOW_KEY, STOP_KEY, ControlRequests
+from labkit.cluster.control import ControlRequests
 from labkit.rank.control import ControlChannel
 from labkit.spec.errors import LabConfigError, LabError
+from labkit.wire.store_keys import REQUEST_KEY, SLOW_KEY, STOP_KEY
 
 WORLD = 4
 

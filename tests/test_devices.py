@@ -2,7 +2,8 @@
 
 import pytest
 
-from labkit.cluster.placement import DeviceError, plan_ranks, visible_gpus
+from labkit.cluster.placement import DeviceError, plan_ranks
+from labkit.wire.gpus import visible_gpus
 
 
 def test_cpu_machine_defaults_to_gloo():

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from labkit import LabConfigError
-from labkit.rank.entry import this_rank
+from labkit.wire.entry import this_rank
 
 pytestmark = pytest.mark.lab
 
@@ -163,7 +163,7 @@ def test_memory_counts_the_global_copy_and_its_momentum(lab):
 
 
 def _local_parameters():
-    from labkit.rank.entry import this_rank as rank_runtime
+    from labkit.wire.entry import this_rank as rank_runtime
 
     state = rank_runtime().train_state
     return {name: p.detach().clone() for name, p in state.parallel.named_parameters()}, state.step

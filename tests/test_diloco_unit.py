@@ -80,7 +80,7 @@ def test_one_inner_adamw_step_averages_the_replicas_updates():
                      inner_steps=1, outer_lr=1, outer_momentum=0)
     _, simulated = diloco.reference_parameters(config, "cpu", 3)
     # Written out: four replicas, each its own AdamW on a quarter of the batch, parameters averaged every step.
-    from labkit.rank.optimizers import make_optimizer
+    from labkit.torch_support.optimizers import make_optimizer
     from labkit.zoo.data import dataset_for, loss_function
     from labkit.zoo.models import build_model
 

@@ -13,7 +13,7 @@ import psutil
 import pytest
 
 from labkit import Lab, LabConfigError, LabError, RankFailure
-from labkit.rank.entry import this_rank
+from labkit.wire.entry import this_rank
 
 from .conftest import started_lab, wait_gone
 
@@ -182,7 +182,7 @@ def start_leavers(tag: int) -> list[int]:
     and a shell's orphan); ``tag`` makes their command lines this test's own."""
     import subprocess
 
-    from labkit.rank.entry import this_rank
+    from labkit.wire.entry import this_rank
 
     mark = f"{tag}{this_rank().rank}"
     subprocess.Popen(["sleep", f"71{mark}"], start_new_session=True)

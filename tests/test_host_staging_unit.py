@@ -6,8 +6,8 @@ last test needs a CUDA GPU and is skipped without one."""
 import pytest
 import torch
 
-from labkit.rank.host_staging import PinnedStaging
 from labkit.rank.loop import batch_staging, to_device
+from labkit.torch_support.host_staging import PinnedStaging
 from labkit.zoo.configs import GPTConfig, MLPConfig
 from labkit.zoo.data import dataset_for
 

@@ -32,7 +32,7 @@ def _mpi_missing() -> str | None:
 
 def who() -> tuple[int, int]:
     """(rank, world size), asked on a rank."""
-    from labkit.rank.entry import this_rank
+    from labkit.wire.entry import this_rank
 
     here = this_rank()
     return here.rank, here.world_size
@@ -201,7 +201,7 @@ import sys
 from labkit import Lab
 
 def who():
-    from labkit.rank.entry import this_rank
+    from labkit.wire.entry import this_rank
     return (this_rank().rank, this_rank().world_size, this_rank().address)
 
 lab = Lab(ranks=0, controller_address=sys.argv[1], start_timeout=90)

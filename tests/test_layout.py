@@ -73,7 +73,7 @@ def test_the_rank_side_is_the_only_one_importing_torch_at_module_level():
                     names = [node.module]
                 for name in names:
                     if name.split(".")[0] == "torch" or name.startswith("labkit.rank.") and name not in (
-                        "labkit.rank.entry", "labkit.rank.bench"
+                        "labkit.wire.entry", "labkit.rank.bench"
                     ):
                         offences.append(f"{path.relative_to(PACKAGE)}: {name}")
     assert offences == []
@@ -84,8 +84,18 @@ def test_no_module_is_over_400_lines():
     assert long == {}
 
 
+def _type_only_imports(tree: ast.AST) -> set[ast.AST]:
+    """The imports under ``if TYPE_CHECKING:``: read by the type checker, never run."""
+    guarded = [node for node in ast.walk(tree) if isinstance(node, ast.If)
+               and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING")]
+    return {inner for node in guarded for statement in node.body for inner in ast.walk(statement)}
+
+
 def _imports_between_modules() -> dict[str, set[str]]:
-    """labkit module -> the labkit modules it imports, at module level or inside functions."""
+    """labkit module -> the labkit modules it imports, at module level or inside functions.
+
+    Imports for annotations only (``if TYPE_CHECKING:``) do not count: they never run, so they tie
+    no module to another when the package loads."""
     modules = {}
     for path in PACKAGE.rglob("*.py"):
         parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
@@ -93,7 +103,11 @@ def _imports_between_modules() -> dict[str, set[str]]:
     graph = {}
     for name, path in modules.items():
         found = set()
-        for node in ast.walk(ast.parse(path.read_text())):
+        tree = ast.parse(path.read_text())
+        type_only = _type_only_imports(tree)
+        for node in ast.walk(tree):
+            if node in type_only:
+                continue
             if isinstance(node, ast.ImportFrom):
                 assert node.level == 0, f"{name}: a relative import (labkit imports by full name)"
                 found |= {node.module, *(f"{node.module}.{alias.name}" for alias in node.names)}
@@ -130,6 +144,46 @@ def test_no_import_cycle_between_labkit_modules():
     assert cycle == [], "import cycle: " + " -> ".join(cycle)
 
 
+def test_imports_for_annotations_only_are_told_apart():
+    tree = ast.parse("from typing import TYPE_CHECKING\nimport os\nif TYPE_CHECKING:\n    import sys\n")
+    assert {ast.unparse(node) for node in _type_only_imports(tree) if isinstance(node, ast.Import)} == {"import sys"}
+
+
 def test_the_cycle_finder_finds_a_cycle():
     assert _cycle_from({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
     assert _cycle_from({"a": {"b"}, "b": set()}) == []
+
+
+# The parts of labkit, lowest first: each imports only parts below it (or itself). A new package or
+# top-level module gets its place here, which is where the house plan in the docs says it sits.
+LAYERS = (
+    ("units",),  # numbers and sizes as people read them
+    ("wire",),  # what both sides share: functions sent to ranks, store keys, what ranks send back
+    ("zoo",),  # the lab's own models
+    ("torch_support",),  # torch's private API, pinned staging, optimizers
+    ("strategies",),  # the ways of splitting the work: declarations and their rank side
+    ("spec",),  # what a user asks for, checked without torch
+    ("rank",),  # the rank's runtime, training loop and instruments
+    ("cluster",),  # engines, launchers, placement, health: the notebook's side of the ranks
+    ("views",),  # tables, figures and dashboards
+    ("runs",),  # work in flight: training runs, tasks, checkpoints, recovery
+    ("session",),  # one lab's state
+    ("lab",),  # the public Lab object
+    ("magics", "magic_args", "magic_help", "magic_parsers", "network_magics", "queue_magics"),  # the %lab magics
+    ("labkit", "__main__"),  # the package's front door and command line
+)
+
+
+def _part_of(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "labkit"
+
+
+def test_parts_depend_in_one_direction():
+    level = {part: index for index, layer in enumerate(LAYERS) for part in layer}
+    graph = _imports_between_modules()
+    unplaced = sorted({_part_of(module) for module in graph} - set(level))
+    assert unplaced == [], f"give these parts their place in LAYERS: {unplaced}"
+    upward = sorted(f"{module} -> {target}" for module, targets in graph.items() for target in targets
+                    if level[_part_of(target)] > level[_part_of(module)])
+    assert upward == [], "imports from a higher part: " + "; ".join(upward)

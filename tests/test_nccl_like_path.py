@@ -24,12 +24,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from labkit.rank import torch_internals
 from labkit.rank.environment import nccl_seconds
 from labkit.rank.instruments.recorder import StepRecorder
 from labkit.rank.instruments.slow_link import LinkState
 from labkit.rank.instruments.timed_group import wrap_group
 from labkit.spec.link import LinkSpec
+from labkit.torch_support import torch_internals
 from tests.nccl_like_group import NcclLikeGroup
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from labkit.rank.entry import this_rank
+from labkit.wire.entry import this_rank
 
 pytestmark = pytest.mark.lab
 
@@ -49,7 +49,7 @@ def nccl_like_lab():
             "_fake = importlib.util.module_from_spec(_spec)\n"
             "sys.modules['nccl_like_group'] = _fake\n"
             "_spec.loader.exec_module(_fake)\n"
-            "from labkit.rank import torch_internals\n"
+            "from labkit.torch_support import torch_internals\n"
             "_fake.install(torch_internals)\n"
         )
         lab.session.rebuild_group()  # every group of every rank, the world too, is nccl-like from here on

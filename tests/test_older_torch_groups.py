@@ -12,14 +12,15 @@ from __future__ import annotations
 
 import pytest
 
-from labkit.rank.entry import this_rank
+from labkit.wire.entry import this_rank
 
 pytestmark = pytest.mark.lab
 
 SMALL_GPT = dict(dim=32, heads=4, layers=2, seq=16, vocab=32)
 
 AS_OLDER_TORCH = """
-from labkit.rank import lab_groups, torch_internals
+from labkit.rank import lab_groups
+from labkit.torch_support import torch_internals
 del lab_groups.WorldGroup.new_group
 torch_internals.routes_new_groups = lambda: False
 """

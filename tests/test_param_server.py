@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from labkit import LabConfigError
-from labkit.rank.entry import this_rank
 from labkit.strategies.ps_gate import staleness_bound
+from labkit.wire.entry import this_rank
 
 from .conftest import lab_shell
 

@@ -1,6 +1,6 @@
 """Which GPU each rank gets, checked over the whole world before any rank is told its place; no processes.
 
-A rank's GPU is its number among the ranks on its host (``placement.gpu_index``), so a rank that
+A rank's GPU is its number among the ranks on its host (``wire.gpus.gpu_index``), so a rank that
 joins or replaces another is checked together with every rank already there, whoever launched it.
 """
 
@@ -12,8 +12,9 @@ import pytest
 
 from labkit.cluster import engines
 from labkit.cluster.engines import JOINED, RankRecord, assign
-from labkit.cluster.placement import DeviceError, RankPlan, check_host_places, gpu_index, gpus_shown
+from labkit.cluster.placement import DeviceError, RankPlan, check_host_places
 from labkit.rank.context import script_gpu
+from labkit.wire.gpus import gpu_index, gpus_shown
 
 
 class FakeEngine:
@@ -204,7 +205,7 @@ def test_an_engine_that_does_not_name_its_gpus_holds_its_host_to_the_count_rule(
 def test_an_engine_names_the_gpus_cuda_visible_devices_shows_it(monkeypatch, listed, expected):
     import IPython
 
-    from labkit.rank import entry
+    from labkit.wire import entry
 
     monkeypatch.setattr(IPython, "get_ipython", lambda: SimpleNamespace(user_ns={}))
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", listed)

@@ -58,3 +58,10 @@ def test_the_real_host_starts_without_debugpy():
     assert line, f"the host exited before it was ready:\n{log}"
     ready = json.loads(line)
     assert ready["event"] == "ready" and "ipykernel.debugger" in ready["skipped"], log
+
+
+def test_the_host_loads_the_module_engines_load_as_the_rank_runtime():
+    from labkit.cluster.hosted.process_host import RANK_MODULES
+    from labkit.wire.entry import RANK_RUNTIME_MODULE
+
+    assert RANK_RUNTIME_MODULE in RANK_MODULES

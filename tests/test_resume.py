@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from labkit import LabConfigError, RankFailure
-from labkit.rank.entry import this_rank
+from labkit.wire.entry import this_rank
 
 pytestmark = pytest.mark.lab
 

@@ -8,9 +8,9 @@ import statistics
 
 import pytest
 
-from labkit.rank.entry import this_rank
 from labkit.spec.errors import LabConfigError
 from labkit.spec.link import LinkSpec
+from labkit.wire.entry import this_rank
 
 from .conftest import ipython_shell, wait_gone
 

@@ -14,7 +14,7 @@ import psutil
 import pytest
 
 from labkit import Lab, RankFailure
-from labkit.rank.entry import this_rank
+from labkit.wire.entry import this_rank
 from tests.conftest import started_lab
 from tests.survivor_cells import BUILD, COMPARE, FAILURES, TIMEOUTS
 

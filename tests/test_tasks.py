@@ -23,7 +23,7 @@ pytestmark = pytest.mark.lab
 def slow_on_all_but_rank_0(item):
     import time
 
-    from labkit.rank.entry import this_rank
+    from labkit.wire.entry import this_rank
 
     time.sleep(0.05 if this_rank().rank == 0 else 0.3)
     return item * item
@@ -34,7 +34,7 @@ def marks_its_start(item, folder):
     import os
     import time
 
-    from labkit.rank.entry import this_rank
+    from labkit.wire.entry import this_rank
 
     here = this_rank().rank
     with open(os.path.join(folder, f"start-{item}-rank{here}-{os.getpid()}"), "w"):

@@ -1,12 +1,12 @@
-"""The private torch API labkit uses is all in labkit.rank.torch_internals, and this torch has all of it."""
+"""The private torch API labkit uses is all in labkit.torch_support.torch_internals, and this torch has all of it."""
 
 import re
 from pathlib import Path
 
-from labkit.rank.torch_internals import missing_internals
+from labkit.torch_support.torch_internals import missing_internals
 
 PACKAGE = Path(__file__).resolve().parent.parent / "labkit"
-INTERNALS = PACKAGE / "rank" / "torch_internals.py"
+INTERNALS = PACKAGE / "torch_support" / "torch_internals.py"
 # An underscored name reached on torch's modules or objects: torch._C, c10d._world, group._get_backend(...).
 PRIVATE_USE = re.compile(r"\btorch\._(?!_)|distributed_c10d|\b_distributed_c10d\b|_mesh_resources|\b(group|inner|work|mesh|"
                          r"dist\.[A-Za-z]+)\._[a-z]")
@@ -28,4 +28,4 @@ def test_no_module_but_torch_internals_reaches_into_torch():
             code = line.split("#", 1)[0]
             if PRIVATE_USE.search(code) and not INTERFACE.search(code):
                 found.append(f"{path.relative_to(PACKAGE.parent)}:{number}: {line.strip()}")
-    assert found == [], "private torch API outside labkit/rank/torch_internals.py:\n" + "\n".join(found)
+    assert found == [], "private torch API outside labkit/torch_support/torch_internals.py:\n" + "\n".join(found)

@@ -37,7 +37,7 @@ def test_a_tested_torch_is_not_mentioned(version):
 def test_another_torch_is_named_with_what_to_do(version):
     problem = torch_version_problem(version)
     assert f"this is torch {version}" in problem and "tested with torch 2.13.x" in problem
-    assert "labkit/rank/torch_internals.py" in problem and "pip install 'torch==2.13.*'" in problem
+    assert "labkit/torch_support/torch_internals.py" in problem and "pip install 'torch==2.13.*'" in problem
 
 
 def test_no_torch_here_says_nothing():

@@ -20,12 +20,8 @@ import socket
 from datetime import timedelta
 
 from labkit.spec.errors import LabConfigError, LabError
+from labkit.wire.store_keys import REQUEST_KEY, SLOW_KEY, STOP_KEY, VERSION_KEY
 
-# Keys in the store, shared with ``labkit.rank.control``.
-REQUEST_KEY = "labkit/control"
-VERSION_KEY = "labkit/control/version"
-STOP_KEY = "stop"
-SLOW_KEY = "slow"
 # The store answers in microseconds when rank 0 is well; a frozen rank 0 must not freeze the notebook.
 WRITE_TIMEOUT_SECONDS = 5.0
 

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 from labkit.cluster import health
 from labkit.cluster.placement import check_host_places, host_layout
-from labkit.rank import entry as rank_entry
 from labkit.spec.errors import LabError, StartupError
+from labkit.wire import entry as rank_entry
 
 JOINED = "joined"
 

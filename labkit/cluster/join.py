@@ -28,7 +28,7 @@ import tempfile
 from labkit.spec.errors import LabConfigError
 from labkit.spec.network import LOOPBACK_ADDRESS, ipv4_addresses
 
-ENGINE_STARTUP = "__import__('labkit.rank.entry').rank.entry.install()"
+ENGINE_STARTUP = "__import__('labkit.wire.entry').rank.entry.install()"
 REGISTRATION_SECONDS = 20.0  # a controller across a network may answer slowly; a stale command fails then
 REGISTRATION_FAILED = 255  # ipyparallel's engine exits so when the controller never answered
 

@@ -6,14 +6,12 @@ never imports torch, so the notebook can refuse a bad request in milliseconds.
 
 from __future__ import annotations
 
-import glob
 import os
-import shutil
-import subprocess
 from dataclasses import dataclass
 
 from labkit.spec.errors import LabConfigError
 from labkit.spec.network import LOOPBACK_ADDRESS, address_of, check_ipv4, interface_of
+from labkit.wire.gpus import gpu_index, visible_gpus
 
 BACKENDS = ("gloo", "nccl")
 # What one rank needs of the machine. Measured on the 2-core development machine (gloo, torch
@@ -74,7 +72,7 @@ class RankPlan:
 
     def settings(self, rank: int, world_size: int, local_rank: int, local_world_size: int,
                  host_index: int, host_count: int, controller_ports=()) -> dict:
-        """Everything an engine needs to become ``rank`` (``labkit.rank.entry.become_rank``)."""
+        """Everything an engine needs to become ``rank`` (``labkit.wire.entry.become_rank``)."""
         threads = self.threads_per_rank
         if threads is None:
             threads = max(1, (os.cpu_count() or 1) // max(1, local_world_size))
@@ -92,23 +90,6 @@ class RankPlan:
             "host_index": host_index,
             "host_count": host_count,
         }
-
-
-def visible_gpus(environ=os.environ) -> tuple[str, ...]:
-    """GPU ids this process may use, honouring CUDA_VISIBLE_DEVICES, without importing torch."""
-    listed = environ.get("CUDA_VISIBLE_DEVICES")
-    if listed is not None:
-        return tuple(part.strip() for part in listed.split(",") if part.strip() and part.strip() != "-1")
-    count = len(glob.glob("/proc/driver/nvidia/gpus/*"))
-    if count == 0 and shutil.which("nvidia-smi"):
-        try:
-            listing = subprocess.run(
-                ["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10, check=False
-            ).stdout
-            count = sum(1 for line in listing.splitlines() if line.startswith("GPU "))
-        except (OSError, subprocess.SubprocessError):
-            count = 0
-    return tuple(str(index) for index in range(count))
 
 
 def _count(number: int, noun: str) -> str:
@@ -256,22 +237,6 @@ def host_layout(hosts: list[str]) -> list[tuple[int, int, int, int]]:
         seen[host] = local + 1
         layout.append((local, hosts.count(host), order.index(host), len(order)))
     return layout
-
-
-def gpu_index(local_rank: int, gpus_shown: int | None) -> int:
-    """The CUDA device index a nccl rank (or a torchrun-started process) uses: the rule in one place.
-
-    The LOCAL_RANK-th of the GPUs its process sees, as torchrun places ranks; but a process shown
-    exactly one GPU (as some schedulers show each process its own) has only cuda:0.
-    ``gpus_shown``: how many CUDA_VISIBLE_DEVICES lists, None where it is unset (then the process sees
-    all its host's GPUs, and ``check_host_places`` has kept ``local_rank`` below their count).
-    """
-    return 0 if gpus_shown == 1 else local_rank
-
-
-def gpus_shown(environ=os.environ) -> int | None:
-    """How many GPUs CUDA_VISIBLE_DEVICES shows this process; None where it is unset (all of them)."""
-    return None if environ.get("CUDA_VISIBLE_DEVICES") is None else len(visible_gpus(environ))
 
 
 def check_host_places(backend: str, hosts: list[str], gpus_seen: list[int], ranks_per_host: int | None,

@@ -31,15 +31,15 @@ import ipyparallel
 from IPython.core.profiledir import ProfileDir
 
 from labkit.cluster import engines, health
+from labkit.cluster.engines import JOINED, RankRecord
 from labkit.cluster.hosted.host_client import HostError, ProcessHost
 from labkit.cluster.hosted.launchers import HostedControllerLauncher
 from labkit.cluster.launchers import LauncherChoice, choose_launcher
 from labkit.cluster.placement import RankPlan
-from labkit.cluster.engines import JOINED, RankRecord
 from labkit.cluster.workdir import WORKDIR_PREFIX, owner_only, remove_stale_workdirs, write_owner
 from labkit.spec.errors import LabError, StartupError, format_ranks
 
-_ENGINE_STARTUP = "__import__('labkit.rank.entry').rank.entry.install()"
+_ENGINE_STARTUP = "__import__('labkit.wire.entry').rank.entry.install()"
 HEARTBEAT_MS = 200
 JOINED_SHUTDOWN_SECONDS = 3.0  # engines elsewhere that do not answer end by themselves (missed heartbeats)
 

@@ -23,9 +23,8 @@ import threading
 import time
 from datetime import timedelta
 
-# Keys in the store, shared with ``labkit.rank.whereabouts``.
-WHERE_KEY = "labkit/where/{rank}"
-RELEASE_KEY = "labkit/release/{rank}"
+from labkit.wire.store_keys import RELEASE_KEY, WHERE_KEY
+
 READ_SECONDS = 0.25
 # The store answers in microseconds when rank 0 is well; a frozen rank 0 delays only this thread.
 STORE_TIMEOUT_SECONDS = 1.0

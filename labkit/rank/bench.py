@@ -13,7 +13,7 @@ import time
 
 
 def _rank_device():
-    from labkit.rank.current import this_rank
+    from labkit.wire.current import this_rank
 
     return this_rank().device
 

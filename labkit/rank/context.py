@@ -13,11 +13,11 @@ import os
 import torch
 import torch.distributed as dist
 
-from labkit.cluster.placement import gpu_index, gpus_shown
-from labkit.rank import torch_internals
 from labkit.rank.instruments.recorders import recorder_for
 from labkit.rank.instruments.slow_link import LinkState, QuietRecorder
 from labkit.rank.instruments.timed_group import instrument_mesh
+from labkit.torch_support import torch_internals
+from labkit.wire.gpus import gpu_index, gpus_shown
 
 
 class RankContext:

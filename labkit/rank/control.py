@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import time
 
-from labkit.cluster.control import REQUEST_KEY, SLOW_KEY, STOP_KEY, VERSION_KEY
+from labkit.wire.store_keys import REQUEST_KEY, SLOW_KEY, STOP_KEY, VERSION_KEY
 
 POLL_SECONDS = 0.05
 

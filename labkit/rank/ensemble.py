@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from labkit.rank.optimizers import make_optimizer
 from labkit.spec.train_config import TrainConfig
+from labkit.torch_support.optimizers import make_optimizer
 from labkit.zoo.data import dataset_for, loss_function
 from labkit.zoo.models import build_model
 
@@ -56,7 +56,7 @@ def train_member(spec: dict) -> dict:
             inputs, targets = data.batch(HELDOUT_FROM + batch, spec["global_batch"])
             predictions.append(_predict(model, inputs, spec["model"]))
             answers.append(targets)
-    from labkit.rank.current import this_rank
+    from labkit.wire.current import this_rank
 
     return {
         "member": spec["member"],

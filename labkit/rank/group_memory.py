@@ -7,7 +7,7 @@ can reach back to them.
 
 from __future__ import annotations
 
-from labkit.rank.torch_internals import forget_dtensor_plans
+from labkit.torch_support.torch_internals import forget_dtensor_plans
 
 
 def forget_old_groups() -> None:

@@ -32,11 +32,11 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from labkit.rank import torch_internals
 from labkit.rank.group_memory import forget_old_groups
-from labkit.rank.release import close_connections, established_connections
 from labkit.rank.instruments.slow_link import QuietRecorder
 from labkit.rank.instruments.timed_group import TimedGroup
+from labkit.rank.release import close_connections, established_connections
+from labkit.torch_support import torch_internals
 
 GROUPS_PER_FORMATION = 1000  # names of a formation's groups: a stale mesh must not find a new group by name
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from labkit.rank.torch_internals import device_types
+from labkit.torch_support.torch_internals import device_types
 
 
 def control_tensor(values, dtype=torch.float32, group=None) -> torch.Tensor:

@@ -24,19 +24,19 @@ import torch
 import torch.distributed as dist
 
 from labkit.rank.context import ScriptContext  # noqa: F401 - the benchmarks' way in, beside train
-from labkit.rank.current import this_rank
 from labkit.rank.environment import device_name
-from labkit.rank.host_staging import PinnedStaging
+from labkit.rank.instruments.run_instruments import instruments_for
+from labkit.rank.instruments.step_timer import StepTimer
 from labkit.rank.lab_traffic import control_tensor
 from labkit.rank.memory import estimated_bytes, local_bytes, memory_bytes
-from labkit.rank.optimizers import make_optimizer
 from labkit.rank.periodic_checkpoints import PeriodicCheckpoints
-from labkit.rank.instruments.run_instruments import instruments_for
 from labkit.rank.state import state_for
-from labkit.rank.instruments.step_timer import StepTimer
 from labkit.spec.train_config import OPTIMIZERS, TrainConfig
 from labkit.strategies.catalog import DATA_AXES, strategy
 from labkit.strategies.compose import shard_for_memory_estimate
+from labkit.torch_support.host_staging import PinnedStaging
+from labkit.torch_support.optimizers import make_optimizer
+from labkit.wire.current import this_rank
 from labkit.zoo.models import build_model
 
 

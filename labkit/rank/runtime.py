@@ -32,18 +32,19 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from labkit.cluster.placement import gpu_index, gpus_shown
 from labkit.rank.context import RankContext
-from labkit.spec.schema import FailureKind
-from labkit.rank.current import RUNTIME_NAME
-from labkit.rank.lab_groups import LabGroups
 from labkit.rank.environment import (device_name, process_group_backend, seed_as_asked, seed_independently,
                                      nccl_seconds, torchrun_environment)
 from labkit.rank.instruments.recorders import recorder_for
-from labkit.rank.torch_internals import reset_ddp_reducer, set_group_timeout
+from labkit.rank.lab_groups import LabGroups
+from labkit.rank.requests import RankRequests
 from labkit.rank.user_process import UserProcess
 from labkit.rank.whereabouts import Whereabouts
 from labkit.spec.network import place_on_network
+from labkit.torch_support.torch_internals import reset_ddp_reducer, set_group_timeout
+from labkit.wire.current import RUNTIME_NAME
+from labkit.wire.gpus import gpu_index, gpus_shown
+from labkit.wire.schema import FailureKind
 
 # Error text by which a rank knows it failed *because of another rank*: the peer
 # closed the connection (it failed first) or the collective timed out waiting.
@@ -88,6 +89,7 @@ class RankRuntime(RankContext):
         self.cells_run = 0
         self.user_process = UserProcess()  # the notebook's folder, umask and environment, for user work
         self.seeding: tuple[int, bool] | None = None  # what lab.seed last asked: (value, same)
+        self.requests = RankRequests(self)  # the rank side of wire.entry's train, save, load, seed, push
         # What the engine loaded to become a rank: a script's folder never displaces these.
         self.lasting_modules = frozenset(name.partition(".")[0] for name in list(sys.modules))
         threads = int(settings.get("threads", 1))
@@ -246,12 +248,6 @@ class RankRuntime(RankContext):
         self.mesh_spec = (tuple(shape), tuple(names))
         self.namespace["mesh"] = self.mesh
         return tuple(self.mesh.get_coordinate())
-
-    def all_reduce_check(self) -> float:
-        """One all-reduce of ones; the sum (== world size when the group works)."""
-        tensor = torch.ones(1, device=self.device)
-        dist.all_reduce(tensor)
-        return float(tensor.item())
 
     # -- running user work ------------------------------------------------------
 

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from labkit.rank.environment import script_environment
 from labkit.rank.group_memory import forget_old_groups
 from labkit.rank.script_modules import modules_of_the_run
-from labkit.rank.torch_internals import all_process_groups, group_lifecycle, group_lifecycle_replaced
+from labkit.torch_support.torch_internals import all_process_groups, group_lifecycle, group_lifecycle_replaced
 
 
 class ScriptExit(RuntimeError):

@@ -33,14 +33,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from labkit.rank.lab_traffic import control_tensor
+from labkit.spec.train_config import TrainConfig
+from labkit.strategies.catalog import strategy
+from labkit.torch_support.optimizers import make_optimizer
+from labkit.torch_support.torch_internals import DTENSOR_REDISTRIBUTE_LOGGER
+from labkit.wire.schema import Verdict, equivalence_bound
 from labkit.zoo.data import dataset_for, loss_function
 from labkit.zoo.models import build_model
-from labkit.rank.lab_traffic import control_tensor
-from labkit.rank.optimizers import make_optimizer
-from labkit.rank.torch_internals import DTENSOR_REDISTRIBUTE_LOGGER
-from labkit.spec.train_config import TrainConfig
-from labkit.spec.schema import Verdict, equivalence_bound
-from labkit.strategies.catalog import strategy
 
 
 @torch.enable_grad()

@@ -39,7 +39,7 @@ import time
 from dataclasses import dataclass
 from datetime import timedelta
 
-from labkit.cluster.rank_whereabouts import RELEASE_KEY, WHERE_KEY
+from labkit.wire.store_keys import RELEASE_KEY, WHERE_KEY
 
 SAMPLE_SECONDS = 0.2
 HEARTBEAT_SECONDS = 1.0
@@ -60,7 +60,7 @@ def current_work_id() -> str | None:
 
 def group_state() -> dict:
     """This rank's process groups now: for the notebook, about ranks that are not in the work."""
-    from labkit.rank.current import this_rank
+    from labkit.wire.current import this_rank
 
     return this_rank().groups.state()
 

@@ -9,11 +9,12 @@ would, measured the same way on the same ranks.
 
 from __future__ import annotations
 
-from labkit.rank.entry import estimate_memory
 from labkit.spec.errors import LabError
-from labkit.strategies.catalog import sharding_alternatives
 from labkit.spec.train_config import TrainConfig, resolve, user_settings
+from labkit.strategies.catalog import sharding_alternatives
 from labkit.units import format_bytes
+from labkit.wire.entry import estimate_memory
+from labkit.wire.schema import total_bytes
 
 # Settings that only mean something to the original run are not carried to the alternatives.
 _NOT_CARRIED = ("strategy", "micro_batches", "max_memory")
@@ -21,10 +22,6 @@ _NOT_CARRIED = ("strategy", "micro_batches", "max_memory")
 
 class MemoryBudgetError(LabError):
     """The model does not fit the per-rank memory budget under the chosen strategy."""
-
-
-def total_bytes(memory: dict) -> int:
-    return memory["params"] + memory["grads"] + memory["optimizer"]
 
 
 def enforce_budget(session, config) -> None:

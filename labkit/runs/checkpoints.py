@@ -23,13 +23,13 @@ from __future__ import annotations
 import glob
 import os
 
-from labkit.rank import entry
+from labkit.runs.checkpoint_check import check_files, read_meta
 from labkit.spec.checkpoint_files import META_FILE, is_checkpoint_file, is_complete, partial_directory, recoverable, \
     save_refusal
-from labkit.runs.checkpoint_check import check_files, read_meta
 from labkit.spec.errors import LabBusy, LabConfigError
 from labkit.spec.train_config import TrainConfig, checkpoint_settings, identity_differences, resolve
 from labkit.strategies.catalog import checkpoint_refusal
+from labkit.wire import entry
 
 __all__ = ["META_FILE", "find_checkpoint", "is_complete", "load", "read_meta", "save"]
 STEP_PATTERN = "step-*"

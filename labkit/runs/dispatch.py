@@ -38,11 +38,11 @@ import signal
 import time
 
 from labkit.cluster.rank_whereabouts import WhereaboutsReader
-from labkit.rank import entry as rank_entry
 from labkit.runs.deadlock import DeadlockWatch, in_flight, waiting_note
 from labkit.spec.errors import LabError
-from labkit.spec.schema import FailureKind, RankReport
 from labkit.views.rank_output import LiveOutput, RankTexts
+from labkit.wire import entry as rank_entry
+from labkit.wire.schema import FailureKind, RankReport
 
 POLL_SECONDS = 0.1  # waits end early when a result lands; this paces output and liveness checks
 LIVENESS_CHECK_SECONDS = 0.5

@@ -31,10 +31,10 @@ from dataclasses import dataclass, field
 
 import numpy
 
-from labkit.rank import entry
 from labkit.runs.tasks import run_tasks
 from labkit.spec.errors import LabConfigError
 from labkit.spec.train_config import OPTIMIZERS
+from labkit.wire import entry
 from labkit.zoo.configs import model_config
 
 VARIES = ("seed", "lr")

@@ -44,7 +44,7 @@ class Interrupted:
 def surviving_step(session) -> int | None:
     """After a failed run that cost no rank: the step at which every rank's training state stands, when
     all stopped at the same one outside an optimizer step (the run can be resumed from it); else None."""
-    from labkit.rank import entry
+    from labkit.wire import entry
 
     try:
         positions = session.call(range(session.world_size), entry.training_position, (), POSITION_CALL_SECONDS)

@@ -19,10 +19,10 @@ import contextlib
 import re
 import threading
 
-from labkit.rank import entry
 from labkit.spec.errors import LabConfigError
 from labkit.spec.link import OFF_WORDS, LinkSpec
 from labkit.units import is_latency_text
+from labkit.wire import entry
 
 # A word that is only a number (its unit is the next word); a word with a time unit is a latency
 # (units.is_latency_text), anything else with a unit a bandwidth.

@@ -34,9 +34,9 @@ import sys
 import textwrap
 import types
 
-from labkit.rank import entry
 from labkit.runs.sources import notebook_sources
 from labkit.spec.errors import LabConfigError, format_ranks
+from labkit.wire import entry
 
 NOTEBOOK_MODULE = "__main__"  # IPython defines a cell's functions and classes in this module
 # The names every rank's runtime sets: a push may not replace them (torch and dist: only by the same module).

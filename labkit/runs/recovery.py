@@ -15,7 +15,7 @@
 from __future__ import annotations
 
 from labkit.spec.errors import LabError, format_ranks
-from labkit.spec.schema import FailureKind
+from labkit.wire.schema import FailureKind
 
 
 def stale_reason(generation: int, replaced=(), dropped=(), joined: int = 0) -> str:

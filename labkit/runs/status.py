@@ -6,8 +6,8 @@ import html
 import time
 from dataclasses import dataclass
 
-from labkit.rank import entry
 from labkit.runs.deadlock import describe_whereabouts
+from labkit.wire import entry
 
 
 @dataclass(frozen=True)

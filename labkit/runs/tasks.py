@@ -35,12 +35,12 @@ import pickle
 import signal
 import time
 
-from labkit.rank import entry
 from labkit.runs.recovery import stale_reason
 from labkit.runs.sources import notebook_sources
 from labkit.runs.task_results import LOST, TaskFailed, TaskRecord, TaskResults, on_rank
 from labkit.spec.errors import LabConfigError, LabError, format_ranks
 from labkit.views.task_board import TaskBoard
+from labkit.wire import entry
 
 POLL_SECONDS = 0.05
 

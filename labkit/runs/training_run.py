@@ -22,17 +22,17 @@ from __future__ import annotations
 import threading
 from dataclasses import replace
 
-from labkit.rank import entry
+from labkit.runs.budget import enforce_budget
 from labkit.runs.dispatch import RankWork, make_output
 from labkit.runs.healing import Interrupted, continuation, has_checkpoint, surviving_step
-from labkit.runs.budget import enforce_budget
 from labkit.spec.errors import LabConfigError, LabError
+from labkit.spec.train_config import TrainConfig, resolve, resume_differences, user_settings
+from labkit.strategies.catalog import role_of
 from labkit.views.metrics import DEFAULT_THRESHOLD, MetricsTable
 from labkit.views.rank_output import in_kernel
 from labkit.views.stragglers import check_threshold
-from labkit.spec.train_config import TrainConfig, resolve, resume_differences, user_settings
-from labkit.strategies.catalog import role_of
 from labkit.views.train_report import TrainReport
+from labkit.wire import entry
 
 STOP_GRACE_SECONDS = 15.0
 UI_EVENTS_PER_TICK = 10  # widget messages handled between two looks at the ranks (a click is one)

@@ -1,6 +1,6 @@
 """The lab's errors, and how a failure on several ranks is told in one message.
 
-Rank reports are the plain dicts ``rank.entry`` returns. A failure is grouped so
+Rank reports are the plain dicts ``wire.entry`` returns. A failure is grouped so
 that the cause stands first: ranks that raised (one traceback per distinct
 traceback), then ranks that hung and were interrupted, then ranks that only
 failed because a peer did (released from a collective), each with a line.
@@ -16,7 +16,7 @@ import re
 from collections import defaultdict
 
 from labkit.spec.error_text import comparable, group_alike
-from labkit.spec.schema import FailureKind
+from labkit.wire.schema import FailureKind
 
 
 class ShortTraceback:

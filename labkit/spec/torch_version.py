@@ -1,7 +1,7 @@
 """The torch releases labkit is tested with, and the warning it gives under any other.
 
 labkit reaches into torch.distributed's internals (its registry of process groups,
-timeouts, DTensor's caches; every such use is in ``labkit.rank.torch_internals``),
+timeouts, DTensor's caches; every such use is in ``labkit.torch_support.torch_internals``),
 and those change between releases without notice. So labkit claims only the
 release series its tests run on (``pyproject.toml`` says the same), and says so
 once, at ``import labkit``, when the installed torch is another. The check reads
@@ -17,7 +17,7 @@ import warnings
 from pathlib import Path
 
 TESTED_SERIES = ((2, 13),)  # (major, minor) of every torch the test suite runs on
-INTERNALS_MODULE = "labkit/rank/torch_internals.py"
+INTERNALS_MODULE = "labkit/torch_support/torch_internals.py"
 
 
 class TorchVersionWarning(UserWarning):

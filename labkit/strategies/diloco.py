@@ -197,7 +197,7 @@ def reference_parameters(config, device, steps: int, chunks: int = 1, data_share
     each replica's gradient in parts and the pseudo-gradients in reverse order:
     the same mathematics, another rounding.
     """
-    from labkit.rank.optimizers import make_optimizer
+    from labkit.torch_support.optimizers import make_optimizer
     from labkit.zoo.data import dataset_for, loss_function
     from labkit.zoo.models import build_model
 

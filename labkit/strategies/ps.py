@@ -70,9 +70,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from labkit.rank import torch_internals
-from labkit.rank.host_staging import CudaFence, HostBuffer, NoFence, PinnedStaging, pinned_empty
 from labkit.strategies.ps_gate import StalenessGate, shard_bounds, staleness_bound
+from labkit.torch_support import torch_internals
+from labkit.torch_support.host_staging import CudaFence, HostBuffer, NoFence, PinnedStaging, pinned_empty
 
 PUSH_TAG = 71  # worker -> server: a gradient shard
 PULL_TAG = 72  # server -> worker: a shard's weights

@@ -13,11 +13,11 @@ import html
 import statistics
 from dataclasses import dataclass
 
-from labkit.runs.budget import total_bytes as _total
 from labkit.spec.device_peaks import math_kind, peak_tflops
-from labkit.spec.schema import EQUIVALENCE_TOLERANCE, NOISE_FACTOR, RankResult, equivalence_bound
 from labkit.spec.train_config import TrainConfig
 from labkit.units import format_bytes
+from labkit.wire.schema import EQUIVALENCE_TOLERANCE, NOISE_FACTOR, RankResult, equivalence_bound
+from labkit.wire.schema import total_bytes as _total
 
 @dataclass
 class TrainReport:

@@ -53,7 +53,7 @@ RANK_MODULES = (
     "ipykernel.debugger",  # pulls in debugpy, the slowest import of an engine (optional, below)
     "IPython.core.debugger",
     "pydoc",
-    "labkit.rank.runtime",
+    "labkit.rank.runtime",  # wire.entry.RANK_RUNTIME_MODULE (this module imports no labkit code)
 )
 # What a rank imports on its first training run or checkpoint (about 1.5 s of CPU). The host
 # imports them once the lab is ready ("warm" request), while the ranks are idle (warmer.py), so

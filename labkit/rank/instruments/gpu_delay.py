@@ -15,7 +15,7 @@ import statistics
 
 import torch
 
-from labkit.rank.torch_internals import spin_gpu
+from labkit.torch_support.torch_internals import spin_gpu
 
 _CALIBRATION_CYCLES = 2_000_000  # ~1 ms on current GPUs: long enough to time, short enough to be free
 _CALIBRATION_RUNS = 5

@@ -44,8 +44,8 @@ from collections import deque
 import torch
 
 from labkit.rank.instruments.recorder import ROW_CAPACITY, TIMELINE_STEPS, newest_rows
-from labkit.rank.torch_internals import at_end_of_backward
-from labkit.spec.schema import StepRow, TimelineStep
+from labkit.torch_support.torch_internals import at_end_of_backward
+from labkit.wire.schema import StepRow, TimelineStep
 
 
 def union_length(intervals, begin: float, end: float) -> float:

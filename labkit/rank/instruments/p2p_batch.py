@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from labkit.rank import torch_internals
+from labkit.torch_support import torch_internals
 
 
 class DeferredWork(dist.Work):

@@ -38,7 +38,7 @@ import threading
 import time
 from collections import deque
 
-from labkit.spec.schema import StepRow
+from labkit.wire.schema import StepRow
 
 TIMELINE_STEPS = 12
 ROW_CAPACITY = 100_000

@@ -28,8 +28,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from labkit.rank import torch_internals
 from labkit.rank.instruments.p2p_batch import P2PBatch
+from labkit.torch_support import torch_internals
 
 
 def _bytes(value) -> int:

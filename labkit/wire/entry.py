@@ -2,15 +2,18 @@
 
 ipyparallel pickles a function by reference (module and name), so the notebook
 side only needs to import this module, never the rank's own code. Each function
-runs inside a rank and reaches that rank's ``RankRuntime`` (``labkit.rank.runtime``),
-importing the heavy modules there, where torch is already loaded.
+runs inside a rank and reaches that rank's runtime (``this_rank()``), which
+imports the heavy modules there, where torch is already loaded. This package
+imports nothing of the rank's code: an engine loads it by name
+(``RANK_RUNTIME_MODULE``) when it starts, as a plugin is loaded.
 """
 
 from __future__ import annotations
 
-from labkit.rank.current import RUNTIME_NAME, this_rank  # noqa: F401 - both sides reach them here too
+from labkit.wire.current import RUNTIME_NAME, this_rank  # noqa: F401 - both sides reach them here too
 
 
+RANK_RUNTIME_MODULE = "labkit.rank.runtime"  # the rank's code: torch and every module a rank runs
 SLOT_VARIABLE = "LABKIT_SLOT"  # how an engine came: "rank3" (the lab's own launcher), "set:ranks2", "joined"
 
 
@@ -20,13 +23,14 @@ def install() -> None:
     An engine does not know its rank when it starts: ranks are given out as
     engines register, whichever launcher started them or wherever they joined from."""
     import gc
+    import importlib
     import traceback
 
     from IPython import get_ipython
 
     namespace = get_ipython().user_ns
     try:
-        import labkit.rank.runtime  # noqa: F401 - torch and the rank's code, imported while the engine starts
+        importlib.import_module(RANK_RUNTIME_MODULE)  # torch and the rank's code, while the engine starts
     except Exception:
         namespace["__labkit_install_error__"] = traceback.format_exc()
     # Everything alive now (torch, IPython, ipyparallel) lives as long as the
@@ -42,7 +46,7 @@ def describe_engine() -> dict:
 
     from IPython import get_ipython
 
-    from labkit.cluster.placement import visible_gpus
+    from labkit.wire.gpus import visible_gpus
 
     namespace = get_ipython().user_ns
     runtime = namespace.get(RUNTIME_NAME)
@@ -67,9 +71,9 @@ def become_rank(settings: dict) -> dict:
     namespace = get_ipython().user_ns
     if "__labkit_install_error__" in namespace:
         raise RuntimeError(f"this engine could not load labkit's rank code:\n{namespace['__labkit_install_error__']}")
-    from labkit.rank.runtime import RankRuntime
+    import importlib
 
-    return RankRuntime(namespace, settings).identity()
+    return importlib.import_module(RANK_RUNTIME_MODULE).RankRuntime(namespace, settings).identity()
 
 
 def identity() -> dict:
@@ -91,12 +95,7 @@ def join_group(places: dict, generation: int, timeout_seconds: float, reason: st
 def leave_groups(reason: str) -> list[str]:
     """Retire every process group of this rank: what was built on them fails with ``reason`` from now on.
     Returns the rank's variables that hold such objects (``name (what it is)``)."""
-    from labkit.rank.stale_objects import distributed_variables
-
-    runtime = this_rank()
-    held = distributed_variables(runtime.namespace) if runtime.groups.handles else []
-    runtime.leave_group(reason)
-    return held
+    return this_rank().requests.leave_groups(reason)
 
 
 def rebuild_groups(generation: int, timeout_seconds: float) -> int:
@@ -114,7 +113,7 @@ def build_mesh(shape: list[int], names: list[str]):
 
 
 def all_reduce_check() -> float:
-    return this_rank().all_reduce_check()
+    return this_rank().requests.all_reduce_check()
 
 
 def in_notebook_state(state: dict, work, *args):
@@ -142,9 +141,7 @@ def run_task(fn, item, sources: dict | None, timeout_seconds: float) -> dict:
 
 def train_member(spec: dict) -> dict:
     """One ensemble member, trained alone on this rank (a task of ``lab.ensemble``)."""
-    from labkit.rank.ensemble import train_member as train
-
-    return train(spec)
+    return this_rank().requests.train_member(spec)
 
 
 def run_script(source: str, path: str, argv: list[str], timeout_seconds: float) -> dict:
@@ -156,82 +153,41 @@ def seed(value: int, same: bool) -> int:
     """Seed this rank's generators: ``value`` on every rank, or ``value + rank``; return what was used.
 
     Remembered: every script starts seeded so again, as each would in a fresh process."""
-    from labkit.rank.environment import seed_as_asked
-
-    runtime = this_rank()
-    runtime.seeding = (value, same)
-    return seed_as_asked(runtime.seeding, runtime.rank)
+    return this_rank().requests.seed(value, same)
 
 
 def set_link(spec) -> str:
     """Give this rank's collectives the simulated link ``spec`` (a ``spec.link.LinkSpec``; None: off)."""
-    from labkit.rank.instruments.slow_link import apply_link
-
-    return apply_link(this_rank(), spec)
+    return this_rank().requests.set_link(spec)
 
 
 def train(config, timeout_seconds: float) -> dict:
     """One training run (or its continuation) as user work: guarded, bounded, reported."""
-    from labkit.rank.loop import train as train_loop
-
-    return this_rank().call(train_loop, (config,), {}, None, timeout_seconds)
+    return this_rank().requests.train(config, timeout_seconds)
 
 
 def training_position() -> dict | None:
     """Where this rank's training state stands (None: it has none): step, whether an optimizer step was cut."""
-    runtime = this_rank()
-    state = runtime.train_state
-    if state is None:
-        return None
-    return {"step": state.step, "updating": state.updating, "formation": state.formation,
-            "current": state.formation == runtime.formation}
+    return this_rank().requests.training_position()
 
 
 def save_checkpoint(target: str, partial: str, meta: dict, timeout_seconds: float) -> dict:
     """Save this rank's training state into the checkpoint ``target`` (every rank at once)."""
-    runtime = this_rank()
-
-    def save():
-        from labkit.rank.checkpoint import save as save_state
-
-        if runtime.train_state is None:
-            raise RuntimeError("this rank has no training state to save (it was restarted since the run): "
-                               "train again, or load a checkpoint")
-        return save_state(runtime.train_state, target, partial, meta)
-
-    return runtime.call(save, (), {}, None, timeout_seconds)
+    return this_rank().requests.save_checkpoint(target, partial, meta, timeout_seconds)
 
 
 def load_checkpoint(config, directory: str, step: int, same_world: bool, timeout_seconds: float) -> dict:
     """Build the training state for ``config`` and fill it from the checkpoint in ``directory``."""
-    runtime = this_rank()
-
-    def load():
-        from labkit.rank.checkpoint import load as load_state
-        from labkit.rank.optimizers import make_optimizer
-        from labkit.rank.state import build_state
-
-        runtime.train_state = None  # the old model's memory goes before the new one is built
-        state = build_state(config, runtime, make_optimizer)
-        load_state(state, directory, step, same_world)
-        runtime.train_state = state
-        return state.step
-
-    return runtime.call(load, (), {}, None, timeout_seconds)
+    return this_rank().requests.load_checkpoint(config, directory, step, same_world, timeout_seconds)
 
 
 def estimate_memory(config) -> dict:
     """This rank's parameter, gradient and optimizer bytes under ``config`` (a meta-device model)."""
-    from labkit.rank.loop import estimate_memory as estimate
-
-    return estimate(config)
+    return this_rank().requests.estimate_memory(config)
 
 
 def push(items: list, sources: dict, timeout_seconds: float) -> dict:
     """Put what the notebook pushed (``lab.push``) into this rank's namespace: all of it, or none of it.
 
     ``sources`` (cell name -> lines) let tracebacks show the lines of pushed notebook code."""
-    from labkit.rank.push import receive
-
-    runtime = this_rank()
-    return runtime.call(receive, (items, runtime.namespace), {}, sources, timeout_seconds)
+    return this_rank().requests.push(items, sources, timeout_seconds)

@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 from torch.distributed.tensor import DTensor
 
-from labkit.spec.train_config import TrainConfig
+
+class OptimizerSettings(Protocol):
+    """What an optimizer is built from: a run's ``TrainConfig`` offers both."""
+
+    optimizer: str  # "sgd" or "adamw"
+    lr: float
 
 
-def make_optimizer(parameters, config: TrainConfig, device: torch.device = torch.device("cpu")) -> torch.optim.Optimizer:
+def make_optimizer(parameters, config: OptimizerSettings, device: torch.device = torch.device("cpu")) -> torch.optim.Optimizer:
     """SGD or AdamW over ``parameters``.
 
     On CPU, one tensor at a time (``foreach=False``): the same per-parameter

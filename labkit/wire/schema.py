@@ -76,6 +76,11 @@ class MemoryBytes(TypedDict):
     optimizer: int
 
 
+def total_bytes(memory: MemoryBytes) -> int:
+    """What a rank holds for training: parameters, gradients and optimizer state."""
+    return memory["params"] + memory["grads"] + memory["optimizer"]
+
+
 class Verdict(TypedDict):
     """The equivalence proof: distributed against single-process training (``rank.verify``)."""
 
