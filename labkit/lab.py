@@ -18,7 +18,7 @@ from labkit.cluster.placement import RankPlan, plan_ranks
 from labkit.runs.push import push_values, run_on
 from labkit.runs.sources import read_script, script_argv
 from labkit.runs.status import LabStatus, collect_status
-from labkit.runs.training_run import launch_training
+from labkit.runs.launch import launch_training
 from labkit.session import Session
 from labkit.spec.call_arguments import check_seed
 from labkit.spec.errors import LabConfigError
@@ -297,11 +297,13 @@ class Lab:
         straggler_threshold: float = DEFAULT_THRESHOLD,
         **settings,
     ):
-        """Train a zoo model on every rank under ``strategy``.
+        """Train a model of the zoo or of an installed plugin on every rank under ``strategy``.
 
-        strategy: ddp (default), fsdp, tp, pp, or a composition such as fsdp+tp, ddp+pp, pp+tp.
+        strategy: ddp (default), fsdp, tp, pp, or a composition such as fsdp+tp, ddp+pp, pp+tp (an installed
+        plugin's strategies too).
         steps: 20 by default.
-        model: 'mlp' (default) or 'gpt' (``model_settings=dict(dim=128, layers=8)`` resizes it).
+        model: 'mlp' (default), 'gpt', or an installed plugin's model (``model_settings=dict(dim=128, layers=8)``
+        resizes it).
         resume: continue the last run for ``steps`` more steps, from the model, optimizer, data position and
         random state the ranks kept; its settings carry over, and only its length and reporting may change. The
         result is the same as one run of all the steps.
@@ -337,7 +339,7 @@ class Lab:
         joined from another machine is dropped), and rebuild the process group; if the last run
         failed after saving checkpoints, go on from the newest one to the step it was to reach.
         Returns that run (in the background, as the failed one was), its report, or None."""
-        from labkit.runs.training_run import heal_and_go_on
+        from labkit.runs.launch import heal_and_go_on
 
         return heal_and_go_on(self.session)
 

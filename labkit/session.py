@@ -9,7 +9,7 @@ changes them. Everything the notebook does with ranks goes through it:
   work into ``RankFailure`` / ``RankTimeout`` / ``RankInterrupted``);
 - ``call`` runs the lab's own entry points (rendezvous, mesh) within a limit;
 - ``begin`` / ``failure`` let a long run (``runs.training_run``) watch its work
-  while it goes, after ``claim`` made the ranks its own.
+  while it goes, after ``claim`` made the ranks its own (a ``runs.holder.RunHolder``).
 
 ``Lab`` is a thin facade over a session; the features in ``labkit.runs`` take a
 session. Nothing here imports torch: the ranks' code is reached through
@@ -24,15 +24,17 @@ import signal
 import threading
 import time
 import weakref
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
 
 from labkit.cluster.control import ControlRequests
 from labkit.cluster.launchers import LauncherChoice, choose_launcher
 from labkit.cluster.placement import RankPlan
 from labkit.cluster.rank_cluster import RankCluster
 from labkit.runs.dispatch import RankWork, make_output
+from labkit.runs.healing import Interrupted, TrainingRecord
+from labkit.runs.holder import RunHolder
 from labkit.runs.notebook_process import NotebookProcess
-from labkit.runs.recovery import stale_reason, unusable_note
+from labkit.runs.recovery import recover, stale_reason, unusable_note
 from labkit.runs.sources import notebook_sources
 from labkit.spec.call_arguments import chosen_ranks
 from labkit.wire import entry
@@ -46,21 +48,15 @@ from labkit.spec.errors import (
     RankTimeout,
     format_ranks,
 )
+from labkit.spec.link import LinkSpec
 from labkit.spec.mesh import MeshSpec
 from labkit.spec.train_config import TrainConfig
 from labkit.units import positive_seconds
+from labkit.views.rank_output import LiveOutput
+from labkit.wire.schema import RankReport
 
 
-@dataclass(frozen=True)
-class TrainingRecord:
-    """The notebook's note of the training state the ranks keep: which run, how far, on which group."""
-
-    config: TrainConfig
-    steps_done: int  # in all, over the run and its continuations
-    generation: int
-
-
-def _stop_at_exit(session_ref) -> None:
+def _stop_at_exit(session_ref: weakref.ref[Session]) -> None:
     session = session_ref()
     if session is not None:
         session.stop()
@@ -85,13 +81,13 @@ class Session:
         self.control = ControlRequests()
         self.notebook = NotebookProcess()  # user work runs in its folder, umask and environment changes
         # The simulated slow link (a spec.link.LinkSpec, lab.link), kept like the mesh: every group formed gets it.
-        self.link = None
+        self.link: LinkSpec | None = None
         self.last_training: TrainingRecord | None = None  # what the ranks' TrainState holds
-        self.interrupted = None  # the last run, when it failed before its end
-        self._holder = None  # a long run that owns the ranks (a TrainingRun)
+        self.interrupted: Interrupted | None = None  # the last run, when it failed before its end
+        self._holder: RunHolder | None = None  # long work that owns the ranks (a TrainingRun, a TaskQueue)
         self.foreground: RankWork | None = None  # the work a call (a cell, lab.run) waits for now: lab.status shows it
         self._holder_lock = threading.Lock()
-        self._atexit = None
+        self._atexit: Callable[[], None] | None = None
 
     @property
     def world_size(self) -> int:
@@ -105,7 +101,7 @@ class Session:
     # -- start / stop ---------------------------------------------------------
 
     def start(self) -> None:
-        if self.running:
+        if self.cluster is not None:
             if self.cluster.infrastructure_problem() is None and self.busy_with is None:
                 self.heal()  # a running lab is reused, its broken ranks replaced
                 return
@@ -158,7 +154,7 @@ class Session:
         self.last_training = TrainingRecord(config, steps_done, self.generation)
         self.interrupted = None
 
-    def remember_interrupted(self, interrupted) -> None:
+    def remember_interrupted(self, interrupted: Interrupted) -> None:
         """A run failed before its end (``runs.healing.Interrupted``): ``lab.heal()`` may finish it."""
         self.interrupted = interrupted
 
@@ -179,13 +175,13 @@ class Session:
             )
         return cluster
 
-    def claim(self, holder) -> None:
+    def claim(self, holder: RunHolder) -> None:
         """Make the ranks ``holder``'s until ``release``: other work is refused with ``LabBusy``."""
         with self._holder_lock:
             self.require_idle()
             self._holder = holder
 
-    def release(self, holder) -> None:
+    def release(self, holder: RunHolder) -> None:
         with self._holder_lock:
             if self._holder is holder:
                 self._holder = None
@@ -198,14 +194,16 @@ class Session:
 
     # -- work -------------------------------------------------------------------
 
-    def limit(self, timeout) -> float:
+    def limit(self, timeout: float | None) -> float:
         return self.timeout if timeout is None else positive_seconds("timeout", timeout)
 
     def targets(self, ranks) -> list[int]:
         """The ranks ``ranks`` names (None: all, a rank number, or a list of them), checked against the world."""
         return chosen_ranks(ranks, self.world_size)
 
-    def begin(self, ranks, work_entry, args, limit: float, output, on_tick=None, on_interrupt=None) -> RankWork:
+    def begin(self, ranks: list[int], work_entry: Callable, args: tuple, limit: float, output: LiveOutput,
+              on_tick: Callable[[RankWork], None] | None = None,
+              on_interrupt: Callable[[], float] | None = None) -> RankWork:
         """Start ``work_entry(*args, limit)`` on ``ranks``; the caller waits and checks ``failure``."""
         cluster = self.require_running()
         try:
@@ -220,7 +218,7 @@ class Session:
                 "files, sockets or clients on the ranks instead"
             ) from None
 
-    def failure(self, work: RankWork, reports: dict, limit: float) -> LabError:
+    def failure(self, work: RankWork, reports: dict[int, RankReport], limit: float) -> LabError:
         """Failed work as the exception to raise, after bringing the lab back for the next call."""
         try:
             recovery = self.recover(work, reports)
@@ -260,7 +258,7 @@ class Session:
         print(note, flush=True)
         return note
 
-    def repair(self, cluster, broken: dict[int, str], joining: list, reason: str = "") -> tuple[str, dict]:
+    def repair(self, cluster: RankCluster, broken: dict[int, str], joining: list, reason: str = "") -> tuple[str, dict]:
         """Replace or drop ``broken`` ranks, adopt ``joining`` engines, form the group; the note to show, and
         by rank the variables that held objects built on the groups of before (now unusable).
         ``reason``: what the process groups of before say when used again (a default names the change)."""
@@ -302,7 +300,9 @@ class Session:
         cluster.signal([rank], signal.SIGKILL)
         return f"rank {rank} (pid {pid}) killed with SIGKILL"
 
-    def execute(self, ranks, work_entry, args, timeout=None, live=None, show_values=False) -> dict[int, dict]:
+    def execute(self, ranks: int | Iterable[int] | None, work_entry: Callable, args: tuple,
+                timeout: float | None = None, live: bool | None = None,
+                show_values: bool = False) -> dict[int, RankReport]:
         """User work on ``ranks`` (None: every rank) within ``timeout``: every rank's report (by rank), or
         one raised failure.
 
@@ -326,12 +326,12 @@ class Session:
             raise self.failure(work, reports, limit)
         return reports
 
-    def run(self, fn, *args, timeout=None, **kwargs) -> list:
+    def run(self, fn: Callable, *args, timeout: float | None = None, **kwargs) -> list:
         """``fn(*args, **kwargs)`` on every rank; the results in rank order."""
         reports = self.execute(None, entry.call, (fn, args, kwargs, notebook_sources(fn)), timeout)
         return [reports[rank]["value"] for rank in sorted(reports)]
 
-    def call(self, ranks, work_entry, args, timeout: float) -> list:
+    def call(self, ranks: Iterable[int], work_entry: Callable, args: tuple, timeout: float) -> list:
         """One of the lab's own entry points (not user work) on ``ranks``, within ``timeout``."""
         return self.require_idle().call(ranks, work_entry, args, timeout)
 
@@ -393,8 +393,6 @@ class Session:
             raise
         self.mesh_spec = spec
 
-    def recover(self, work: RankWork, reports: dict | None = None) -> str:
+    def recover(self, work: RankWork, reports: dict[int, RankReport] | None = None) -> str:
         """After failed work: bring the lab back for the next call (``runs.recovery``); say what was done."""
-        from labkit.runs.recovery import recover
-
         return recover(self, work, reports if reports is not None else work.reports)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import re
+from typing import overload
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmgt]i?b|b)?\s*$", re.IGNORECASE)
 _SIZE_UNITS = {
@@ -31,7 +32,13 @@ _SIZE_UNITS = {
 SIZE_EXAMPLE = "64MB (10^6 bytes each), 1.5GiB (2^30 bytes each) or 500000 (bytes)"
 
 
-def parse_bytes(value, what: str = "a memory size") -> int | None:
+@overload
+def parse_bytes(value: None, what: str = ...) -> None: ...
+@overload
+def parse_bytes(value: int | str, what: str = ...) -> int: ...
+
+
+def parse_bytes(value: int | str | None, what: str = "a memory size") -> int | None:
     """``"64MB"`` -> 64_000_000, ``"64MiB"`` -> 67_108_864, a positive int stays, None stays None."""
     if value is None:
         return None

@@ -183,7 +183,7 @@ def test_a_straggler_stays_marked_after_its_flag_clears():
     assert table.flagged() == [], "recovered by the end"
     [(rank, first, last)] = dashboard.flags.as_tuples()
     assert rank == 1 and 30 <= first < 45 and 55 <= last < 70
-    rectangle, label = dashboard.picture._spans[0]
+    rectangle, label = dashboard.picture.straggler_spans[0]
     assert rectangle.get_x() == first and rectangle.get_width() == last + 1 - first
     assert label.get_text() == "rank 1 straggler"
 

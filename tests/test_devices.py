@@ -4,6 +4,7 @@ import pytest
 
 from labkit.cluster.placement import DeviceError, plan_ranks
 from labkit.wire.gpus import visible_gpus
+from labkit.wire.rank_settings import RankSettings
 
 
 def test_cpu_machine_defaults_to_gloo():
@@ -14,6 +15,16 @@ def test_cpu_machine_defaults_to_gloo():
     assert plan.controller_address == "127.0.0.1" and plan.interface is None  # loopback: one machine
     settings = plan.settings(2, 4, 2, 4, 0, 1, controller_ports={5, 6})
     assert settings["rank"] == 2 and settings["controller_ports"] == [5, 6] and settings["threads"] == 1
+
+
+def test_a_rank_is_told_every_setting_it_reads():
+    plan = plan_ranks(2, gpus=(), cpu_count=2, check_collectives=True)
+    settings = plan.settings(1, 3, 1, 2, 0, 2, controller_ports=[7, 3])
+    # The rank reads every key (rank.runtime): the notebook sends them all, whatever the plan.
+    assert set(settings) == RankSettings.__required_keys__ == set(RankSettings.__annotations__)
+    assert settings == {"rank": 1, "world_size": 3, "backend": "gloo", "threads": 1, "check_collectives": True,
+                        "controller_address": "127.0.0.1", "interface": None, "controller_ports": [3, 7],
+                        "local_rank": 1, "local_world_size": 2, "host_index": 0, "host_count": 2}
 
 
 def test_gpus_default_to_nccl_one_rank_per_gpu():

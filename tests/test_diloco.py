@@ -42,10 +42,10 @@ def sum_instead_of_average(broken: bool) -> None:
     """On the ranks: sum the pseudo-gradients over the replicas without dividing (a real error), or undo it."""
     import torch.distributed as dist
 
-    from labkit.strategies import diloco
+    from labkit.strategies import diloco_outer
 
-    HONEST.setdefault("average", diloco.average_over_replicas)
-    diloco.average_over_replicas = (lambda flat, group, size: dist.all_reduce(flat, group=group)) if broken \
+    HONEST.setdefault("average", diloco_outer.average_over_replicas)
+    diloco_outer.average_over_replicas = (lambda flat, group, size: dist.all_reduce(flat, group=group)) if broken \
         else HONEST["average"]
 
 

@@ -124,7 +124,7 @@ class FakeCluster:
 
 @pytest.fixture(autouse=True)
 def short_settle(monkeypatch):
-    monkeypatch.setattr(RankWork, "_settle_seconds", lambda self: SETTLE)
+    monkeypatch.setattr(RankWork, "settle_seconds", lambda self: SETTLE)
 
 
 def start(results, ranks=None, timeout=TIMEOUT, grace=GRACE, **cluster_settings):
@@ -142,7 +142,7 @@ def test_the_settle_time_past_the_limit_grows_with_it_and_is_capped(monkeypatch)
     work = object.__new__(RankWork)
     for limit, settle in ((0.3, 0.53), (10, 1.5), (25, 3.0), (600, 3.0)):
         work.timeout = limit
-        assert work._settle_seconds() == pytest.approx(settle)
+        assert work.settle_seconds() == pytest.approx(settle)
 
 
 def test_every_rank_answers_reports_come_back_in_rank_order():

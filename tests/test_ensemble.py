@@ -4,7 +4,7 @@ import numpy
 import pytest
 
 from labkit import LabConfigError
-from labkit.runs.ensemble import _vote, combine_members, member_specs
+from labkit.runs.ensemble import combine_members, member_specs, vote
 
 from labkit.zoo.configs import model_config
 
@@ -32,9 +32,9 @@ def test_a_vote_is_the_majority_and_a_tie_goes_to_the_averaged_probability():
     third = numpy.array([[0.1, 0.8, 0.1], [0.3, 0.1, 0.6]])
     predictions = [first, second, third]
     averaged = sum(predictions) / 3
-    assert _vote(predictions, averaged).tolist() == [0, 2]  # 2 of 3 chose class 0, then class 2
+    assert vote(predictions, averaged).tolist() == [0, 2]  # 2 of 3 chose class 0, then class 2
     tie = [first[:1], third[:1]]  # one vote each for classes 0 and 1; class 1 has more averaged mass
-    assert _vote(tie, sum(tie) / 2).tolist() == [1]
+    assert vote(tie, sum(tie) / 2).tolist() == [1]
 
 
 def test_combining_scores_members_and_the_ensemble_on_the_same_targets():

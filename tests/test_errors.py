@@ -122,3 +122,42 @@ def test_ranks_that_died_the_same_way_are_explained_once_and_their_peers_are_con
 def test_a_connection_error_alone_is_still_told_as_raised():
     failure = RankFailure({0: _error("raised", "RuntimeError", "Connection reset by peer"), 1: {"ok": True}})
     assert failure.summary() == "rank 0 raised RuntimeError: Connection reset by peer"
+
+
+# -- what one rank reports of an error (rank.failures) ------------------------------------------------
+
+
+def test_a_rank_tells_its_own_failure_from_one_a_peer_caused():
+    from labkit.rank.failures import classify_error
+
+    assert classify_error(KeyboardInterrupt()) == "interrupted"
+    assert classify_error(RuntimeError(CLOSED.format(port=1111))) == "collective"
+    assert classify_error(ValueError("bad")) == "raised"
+    # Only an error of the distributed stack is a peer's echo: the same words from user code are its own.
+    assert classify_error(ConnectionError("Connection closed by peer")) == "raised"
+
+
+def test_a_rank_report_starts_at_the_users_code_and_says_what_to_do():
+    from labkit.rank.failures import error_info
+
+    cell: dict = {}
+    exec(compile("def use():\n    return undefined_name\n", "<lab cell In[7]>", "exec"), cell)
+    try:
+        cell["use"]()
+    except NameError as error:
+        info = error_info(error, own_files={__file__})
+    assert info["type"] == "NameError" and info["kind"] == "raised" and "undefined_name" in info["message"]
+    assert info["traceback"].startswith('Traceback (most recent call last):\n  File "<lab cell In[7]>", line 2')
+    assert __file__ not in info["traceback"]  # the lab's own frames above the user's code are left out
+    assert "Hint: each rank has its own namespace" in info["traceback"]
+
+
+def test_ranks_calling_different_collectives_are_named_in_the_hint():
+    from labkit.rank.failures import hint
+
+    said = hint(RuntimeError("Detected mismatch between collectives on ranks. Rank 1 is running collective: "
+                             "CollectiveFingerPrint(SequenceNumber=4, OpType=ALLREDUCE, TensorShape=[8], "
+                             "TensorDtypes=Float"))
+    assert said == ("Hint: the ranks called different collectives at the same point: rank 1 calls allreduce of "
+                    "shape [8] (float), its collective number 4.\n")
+    assert hint(ValueError("bad")) == ""

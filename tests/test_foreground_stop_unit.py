@@ -113,7 +113,7 @@ def test_a_click_handled_while_the_cell_waits_stops_the_run_at_a_step_boundary(m
     assert run.status() == "stopped after step 1 of 3"
     assert poller.polls == [training_run.UI_EVENTS_PER_TICK] * 2, "one poll per tick, after its redraw"
     assert (poller.entered, poller.exited) == (1, 1), "one poller for the whole wait, closed when it ends"
-    assert run._ui_poll is None
+    assert not run.polling, "the poller is let go when the wait ends"
     assert not session.control.stop, "the stop request is cleared for the next run"
 
 

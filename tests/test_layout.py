@@ -169,7 +169,7 @@ LAYERS = (
     ("runs",),  # work in flight: training runs, tasks, checkpoints, recovery
     ("session",),  # one lab's state
     ("lab",),  # the public Lab object
-    ("magics", "magic_args", "magic_help", "magic_parsers", "network_magics", "queue_magics"),  # the %lab magics
+    ("magics",),  # the %lab magics
     ("labkit", "__main__"),  # the package's front door and command line
 )
 

@@ -5,7 +5,8 @@ import time
 import pytest
 from IPython.core.error import UsageError
 
-from labkit.runs.link import describe, link_command, parse_words, set_link, waiting_notice
+from labkit.magics.link import link_command, parse_words
+from labkit.runs.link import describe, set_link, waiting_notice
 from labkit.runs.status import LabStatus
 from labkit.spec.errors import LabConfigError
 from labkit.spec.link import LinkSpec, rounds_and_wire_bytes

@@ -1,9 +1,15 @@
-"""The magics' argument parsing without ranks: one-line errors with "did you mean", help of one line per option."""
+"""The magics' argument parsing without ranks: one-line errors with "did you mean", help of one line per option,
+one parser per command, each described by its summary."""
 
 import pytest
 from IPython.core.error import UsageError
 
-from labkit.magic_args import CommandParser, asks_for_help, choice_list, unknown_word
+from labkit.magics.commands import CELL, CELL_SUMMARY, SUMMARIES
+from labkit.magics.help import described_parsers, overview
+from labkit.magics.parsers import bench_parser, cell_parser, push_parser, start_parser
+from labkit.magics.parsing import CommandParser, asks_for_help, choice_list, command_parser, unknown_word
+from labkit.magics.queue import ensemble_parser, tasks_parser
+from labkit.magics.train_args import train_parser
 
 
 def small_parser() -> CommandParser:
@@ -59,3 +65,28 @@ def test_help_words_and_suggestions():
     assert unknown_word("command", "trian", ["start", "train", "status"]) == (
         "unknown command 'trian': did you mean 'train'?")
     assert unknown_word("command", "launch", ["start", "train"]) == "unknown command 'launch'"
+
+
+def every_parser() -> dict[str, CommandParser]:
+    """Each command's parser as the magics build it, the ones read by hand included."""
+    return {"start": start_parser(), "train": train_parser(), "bench": bench_parser(), "push": push_parser(),
+            "tasks": tasks_parser(), "ensemble": ensemble_parser(), CELL: cell_parser(), **described_parsers()}
+
+
+def test_every_command_has_one_parser_made_one_way_and_described_by_its_summary():
+    parsers = every_parser()
+    assert sorted(parsers) == sorted([*SUMMARIES, CELL])
+    for name, parser in parsers.items():
+        assert type(parser) is CommandParser, name
+        first = parser.format_help().splitlines()[0]
+        assert first.startswith(CELL if name == CELL else f"%lab {name}"), first
+        assert first.endswith(": " + (CELL_SUMMARY if name == CELL else SUMMARIES[name])), first
+    assert parsers["heal"].format_help() == f"%lab heal: {SUMMARIES['heal']}\n"
+    assert command_parser("kill").prog == "%lab kill" and command_parser(CELL).prog == "%%lab"
+
+
+def test_lab_help_lists_every_command_in_order_then_the_cell_magic():
+    lines = overview().splitlines()
+    assert lines[0].startswith("%lab COMMAND [options]")
+    assert [line.split()[0] for line in lines[1:-1]] == list(SUMMARIES)
+    assert lines[-1] == f"%%lab [options]: {CELL_SUMMARY}"

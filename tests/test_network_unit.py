@@ -11,7 +11,7 @@ import pytest
 from labkit.cluster.join import decode_token, encode_token
 from labkit.cluster.launchers import choose_launcher
 from labkit.cluster.placement import DeviceError, check_host_places, host_layout, plan_ranks
-from labkit.network_magics import _launcher_option, add_network_arguments, network_settings
+from labkit.magics.network import add_network_arguments, launcher_option as _launcher_option, network_settings
 from labkit.spec.errors import LabConfigError
 from labkit.spec.network import (NetworkError, address_of, check_ipv4, interface_of, ipv4_addresses,
                                  place_on_network, source_address)

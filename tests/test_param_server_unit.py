@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from labkit.magic_parsers import train_parser as _train_parser
+from labkit.magics.train_args import train_parser as _train_parser
 from labkit.spec.train_config import resolve
 from labkit.strategies.catalog import compositions, role_of
 from labkit.strategies.ps_gate import StalenessGate, shard_bounds, staleness_bound

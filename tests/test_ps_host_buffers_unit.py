@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import torch
 import torch.nn as nn
 
-from labkit.strategies.ps import PULL_TAG, PUSH_TAG, Link, Server, Worker
+from labkit.strategies.ps_roles import PULL_TAG, PUSH_TAG, Link, Server, Worker
 
 
 class Fence:

@@ -13,7 +13,7 @@ import types
 
 import pytest
 
-from labkit.magic_parsers import push_parser
+from labkit.magics.parsers import push_parser
 from labkit.rank.push import receive
 from labkit.runs.push import check_name, class_statement, pack, summary
 from labkit.spec.errors import LabConfigError

@@ -3,7 +3,7 @@
 import pytest
 
 from labkit import TorchrunFailed, torchrun
-from labkit.runs.torchrun import _exit_race_only
+from labkit.runs.torchrun import exit_race_only
 
 REPORT = """Traceback (most recent call last):
   File "torch/distributed/run.py", line 1032, in <module>
@@ -22,13 +22,13 @@ def report(other=-15, other_name="SIGTERM", worker_said="terminate called withou
 
 
 def test_only_the_shutdown_race_is_repeated():
-    assert _exit_race_only(report())
+    assert exit_race_only(report())
     # Another abort, a worker's own exit code or a worker's Python error: a real failure.
-    assert not _exit_race_only(report(worker_said="Fatal Python error: Aborted\n"))
-    assert not _exit_race_only(report(other=1, other_name="exit 1"))
-    assert not _exit_race_only("Traceback (most recent call last):\nValueError: bad\n" + report())
-    assert not _exit_race_only(report(other=-6, other_name="SIGABRT"))  # two aborts, one said why
-    assert not _exit_race_only("")
+    assert not exit_race_only(report(worker_said="Fatal Python error: Aborted\n"))
+    assert not exit_race_only(report(other=1, other_name="exit 1"))
+    assert not exit_race_only("Traceback (most recent call last):\nValueError: bad\n" + report())
+    assert not exit_race_only(report(other=-6, other_name="SIGABRT"))  # two aborts, one said why
+    assert not exit_race_only("")
 
 
 def test_bad_input_is_refused_before_anything_starts(tmp_path):

@@ -121,7 +121,7 @@ def test_a_foreground_dashboard_run_keeps_progress_lines_out_of_the_cell():
     run.wait(1)
     assert run.session.output.silent, "progress goes to the dashboard's status line, not under it"
     run.session.output.texts.update(0, "step    1/3  loss 1.0000\nstep    3/3  loss 0.6000\n", "")
-    run._tick(type("Work", (), {"results": {}, "output": run.session.output})())
+    run.tick(type("Work", (), {"results": {}, "output": run.session.output})())
     assert "[rank 0] step    3/3  loss 0.6000" in run.dashboard.status_line.value
 
 

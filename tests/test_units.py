@@ -6,7 +6,7 @@ import math
 import pytest
 from IPython.core.error import UsageError
 
-from labkit.magic_parsers import duration as _duration, name_values as _settings, size_range as _size_range
+from labkit.magics.values import duration as _duration, name_values as _settings, size_range as _size_range
 from labkit.units import (
     format_binary,
     format_bytes,

@@ -1,16 +1,44 @@
-"""Zoo models own their splits: plans name real submodules, configs refuse what cannot split."""
+"""Zoo models own their splits: they offer the Model protocol, plans name real submodules, configs refuse
+what cannot split."""
 
 import pytest
+import torch.nn as nn
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
+from labkit.zoo.catalog import model
 from labkit.zoo.configs import GPTConfig, MLPConfig, model_config
-from labkit.zoo.models import MODEL_CLASSES, build_model
+from labkit.zoo.model_protocol import ChecksStages, ChecksTensorParallel, Model
+from labkit.zoo.models import build_model
+
+ZOO = ("gpt", "mlp")
 
 
 def plan_targets(model, sequence_parallel):
     return set(model.tp_plan(sequence_parallel))
 
 
-@pytest.mark.parametrize("name", sorted(MODEL_CLASSES))
+@pytest.mark.parametrize("name", ZOO)
+def test_every_zoo_model_offers_the_whole_protocol(name):
+    network = build_model(name, model_config(name), 0, "meta")
+    offered: Model = network  # the type checker's view; the isinstance checks are the strategies'
+    assert isinstance(offered, Model)
+    assert isinstance(model_config(name), ChecksStages) and isinstance(model_config(name), ChecksTensorParallel)
+    units = network.fsdp_units()
+    assert len(units) == model_config(name).layers  # one FSDP unit per block or layer
+    assert all(any(unit is child for child in network.modules()) for unit in units)
+
+
+def test_a_declaration_builds_the_same_weights_for_the_same_seed_and_refuses_unknown_settings():
+    declared = model("mlp")
+    settings = declared.settings_for({"dims": [8, 16, 4]})  # a list, as JSON gives it, becomes a tuple
+    assert settings == MLPConfig(dims=(8, 16, 4))
+    first, second = declared.build(settings, 5), declared.build(settings, 5)
+    assert all((a == b).all() for a, b in zip(first.parameters(), second.parameters()))
+    with pytest.raises(ValueError, match="model 'mlp' has no setting width; its settings are dims"):
+        declared.settings_for({"width": 3})
+
+
+@pytest.mark.parametrize("name", ZOO)
 @pytest.mark.parametrize("sequence_parallel", [False, True])
 def test_every_tp_plan_names_real_submodules(name, sequence_parallel):
     # On the meta device: shapes and names only, no memory and no weights.
@@ -21,7 +49,7 @@ def test_every_tp_plan_names_real_submodules(name, sequence_parallel):
     assert plan <= submodules, f"{name}'s plan names no such submodule: {sorted(plan - submodules)}"
 
 
-@pytest.mark.parametrize("name", sorted(MODEL_CLASSES))
+@pytest.mark.parametrize("name", ZOO)
 def test_a_pipeline_stage_plans_only_the_layers_it_keeps(name):
     for stage in range(2):
         model = build_model(name, model_config(name), 0, "meta")
@@ -79,6 +107,17 @@ def test_check_tp_refuses_splits_that_do_not_divide(config, tp, sequence_paralle
 )
 def test_check_tp_accepts_splits_that_divide(config, tp, sequence_parallel):
     config.check_tp(tp, sequence_parallel)
+    # What it accepted, the plan can shard: every width a column-wise layer splits (its outputs) and a
+    # row-wise layer splits (its inputs) divides by tp.
+    network = build_model(config.name, config, 0, "meta")
+    split = []
+    for name, style in network.tp_plan(sequence_parallel).items():
+        layer = network.get_submodule(name)
+        if isinstance(layer, nn.Linear) and isinstance(style, ColwiseParallel):
+            split.append(layer.out_features)
+        elif isinstance(layer, nn.Linear) and isinstance(style, RowwiseParallel):
+            split.append(layer.in_features)
+    assert split and all(width % tp == 0 for width in split), split
 
 
 @pytest.mark.parametrize(
@@ -118,3 +157,19 @@ def test_tp_checks_the_pairs_each_pipeline_stage_makes():
         MLPConfig(dims=dims).check_tp(2, False, stages=2)
     with pytest.raises(ValueError, match=r"\[5\] do not"):
         resolve(4, strategy="pp+tp", model="mlp", mesh=dict(pp=2, tp=2), model_settings=dict(dims=dims))
+
+
+def test_what_a_model_does_not_offer_is_refused_saying_what_to_add_or_falls_back():
+    from labkit.strategies.fsdp import units_of
+    from labkit.strategies.pp import keep_stage
+    from labkit.strategies.tp import apply_tp
+
+    plain = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 4))  # offers none of the protocol's parts
+    with pytest.raises(TypeError, match="no tensor-parallel plan for Sequential: give it a tp_plan"):
+        apply_tp(plain, tp_mesh=None)
+    with pytest.raises(TypeError, match="no pipeline stages for Sequential: give it a keep_stage"):
+        keep_stage(plain, pp_mesh=None)
+    assert units_of(plain) == []  # FSDP shards it as one unit
+    gpt = build_model("gpt", GPTConfig(layers=2), 0, "meta")
+    assert units_of(gpt) == list(gpt.blocks.values())
+    assert units_of(plain, plan=gpt) == list(gpt.blocks.values())  # what speaks for a model is asked instead

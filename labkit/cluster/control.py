@@ -39,11 +39,11 @@ class ControlRequests:
         return {STOP_KEY: self.stop, SLOW_KEY: {str(rank): seconds for rank, seconds in self.slow.items()}}
 
     def attach(self, host: str | None, port: int | None) -> None:
-        """The ranks' store is now at ``host:port`` (a new process group); None: no ranks.
+        """The ranks' store is now at ``host:port`` (a new process group); None (both): no ranks.
 
         A fresh store holds no requests: the standing ones (slowdowns) are written again."""
         self._client = None
-        self.address = None if host is None else (host, int(port))
+        self.address = None if host is None or port is None else (host, int(port))
         if self.address is not None and (self.stop or self.slow):
             self.write()
 

@@ -20,6 +20,7 @@ from labkit.cluster import health
 from labkit.cluster.placement import check_host_places, host_layout
 from labkit.spec.errors import LabError, StartupError
 from labkit.wire import entry as rank_entry
+from labkit.wire.rank_settings import RankSettings
 
 JOINED = "joined"
 
@@ -114,7 +115,7 @@ def engine_set_of(info: dict) -> str | None:
     return slot[4:] if slot.startswith("set:") else slot
 
 
-def assign(cluster, found: list[tuple[int, dict]], ranks: list[int], deadline: float) -> dict[int, dict]:
+def assign(cluster, found: list[tuple[int, dict]], ranks: list[int], deadline: float) -> dict[int, RankSettings]:
     """Make the engines ``found`` the ranks ``ranks`` and tell them their place; every rank's settings.
 
     The ranks that were already there keep their numbers; their new world size

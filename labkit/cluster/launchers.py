@@ -15,6 +15,7 @@ import shutil
 import sys
 import tempfile
 from dataclasses import dataclass, field
+from typing import Any
 
 from labkit.spec.errors import LabConfigError
 
@@ -28,7 +29,7 @@ class LauncherChoice:
     """A launcher by name, its engine-set class and the options passed to it."""
 
     name: str
-    engine_class: type
+    engine_class: type[Any]  # an ipyparallel launcher class
     options: dict = field(default_factory=dict)
 
     @property
@@ -50,7 +51,7 @@ class LauncherChoice:
         return self.name + (f" ({shown})" if shown else "")
 
 
-def _hosted_class() -> type:
+def _hosted_class() -> type[Any]:
     from labkit.cluster.hosted.launchers import HostedEngineLauncher
 
     return HostedEngineLauncher

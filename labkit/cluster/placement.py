@@ -7,11 +7,13 @@ never imports torch, so the notebook can refuse a bad request in milliseconds.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from labkit.spec.errors import LabConfigError
 from labkit.spec.network import LOOPBACK_ADDRESS, address_of, check_ipv4, interface_of
 from labkit.wire.gpus import gpu_index, visible_gpus
+from labkit.wire.rank_settings import RankSettings
 
 BACKENDS = ("gloo", "nccl")
 # What one rank needs of the machine. Measured on the 2-core development machine (gloo, torch
@@ -71,25 +73,25 @@ class RankPlan:
         return env
 
     def settings(self, rank: int, world_size: int, local_rank: int, local_world_size: int,
-                 host_index: int, host_count: int, controller_ports=()) -> dict:
+                 host_index: int, host_count: int, controller_ports: Iterable[int] = ()) -> RankSettings:
         """Everything an engine needs to become ``rank`` (``labkit.wire.entry.become_rank``)."""
         threads = self.threads_per_rank
         if threads is None:
             threads = max(1, (os.cpu_count() or 1) // max(1, local_world_size))
-        return {
-            "rank": rank,
-            "world_size": world_size,
-            "backend": self.backend,
-            "threads": threads,
-            "check_collectives": self.check_collectives,
-            "controller_address": self.controller_address,
-            "interface": self.interface,
-            "controller_ports": sorted(controller_ports),
-            "local_rank": local_rank,
-            "local_world_size": local_world_size,
-            "host_index": host_index,
-            "host_count": host_count,
-        }
+        return RankSettings(
+            rank=rank,
+            world_size=world_size,
+            backend=self.backend,
+            threads=threads,
+            check_collectives=self.check_collectives,
+            controller_address=self.controller_address,
+            interface=self.interface,
+            controller_ports=sorted(controller_ports),
+            local_rank=local_rank,
+            local_world_size=local_world_size,
+            host_index=host_index,
+            host_count=host_count,
+        )
 
 
 def _count(number: int, noun: str) -> str:
@@ -146,6 +148,32 @@ def plan_ranks(
     launcher other than the lab's own, ``on_this_machine=False``) are checked
     where they start: this machine's GPUs, cores and memory do not limit them.
     """
+    # The checks run in this order, so a request wrong in several ways is told the same first thing.
+    check_request(ranks, oversubscribe, check_collectives, ranks_per_host, on_this_machine)
+    controller_address = check_network(ranks, controller_address, interface, on_this_machine)
+    gpus = (visible_gpus() if on_this_machine else ()) if gpus is None else tuple(gpus)
+    backend = choose_backend(backend, gpus)
+    if backend == "nccl" and on_this_machine:
+        check_gpus(ranks, gpus)
+    cpu_count = cpu_count or os.cpu_count() or 1
+    threads_per_rank = threads_here(ranks, threads_per_rank, cpu_count, oversubscribe, available_memory,
+                                    on_this_machine)
+    return RankPlan(
+        backend=backend,
+        ranks=ranks,
+        threads_per_rank=threads_per_rank,
+        check_collectives=check_collectives,
+        gpus=gpus[:ranks] if backend == "nccl" else (),
+        controller_address=controller_address,
+        interface=interface,
+        ranks_per_host=ranks_per_host,
+        on_this_machine=on_this_machine,
+    )
+
+
+def check_request(ranks: int, oversubscribe: bool, check_collectives: bool, ranks_per_host: int | None,
+                  on_this_machine: bool) -> None:
+    """Refuse a request malformed in itself, whatever the machine: the rank count, the flags, ``ranks_per_host``."""
     most_ranks = MAX_RANKS_HERE if on_this_machine else MAX_RANKS
     if isinstance(ranks, bool) or not isinstance(ranks, int) or not 0 <= ranks <= most_ranks:
         where = "on this machine" if on_this_machine else "with this launcher"
@@ -162,6 +190,10 @@ def plan_ranks(
         raise DeviceError(f"host {_this_host()} would have {ranks} ranks, ranks_per_host is {ranks_per_host}: this "
                           "launcher starts every rank on this machine; ask for at most "
                           f"{ranks_per_host} ranks, raise ranks_per_host, or use a launcher that spreads them")
+
+
+def check_network(ranks: int, controller_address: str | None, interface: str | None, on_this_machine: bool) -> str:
+    """The controller's address (loopback unless given), refused unless this machine has it; ``interface`` too."""
     controller_address = LOOPBACK_ADDRESS if controller_address is None else check_ipv4(controller_address,
                                                                                          "controller_address")
     interface_of(controller_address)  # the controller listens there: it must be this machine's
@@ -170,7 +202,11 @@ def plan_ranks(
                           "machines, which needs controller_address set to this machine's address they reach")
     if interface is not None and on_this_machine:
         address_of(interface)  # a name this machine does not have is refused now
-    gpus = (visible_gpus() if on_this_machine else ()) if gpus is None else tuple(gpus)
+    return controller_address
+
+
+def choose_backend(backend: str | None, gpus: tuple[str, ...]) -> str:
+    """The backend asked for, in lower case, or by default nccl where there are GPUs and gloo where not."""
     if backend is None:
         backend = "nccl" if gpus else "gloo"
     if not isinstance(backend, str):
@@ -178,37 +214,38 @@ def plan_ranks(
     backend = backend.lower()
     if backend not in BACKENDS:
         raise DeviceError(f"unknown backend {backend!r}: choose one of {', '.join(BACKENDS)}")
-    if backend == "nccl" and on_this_machine:
-        if not gpus:
-            raise DeviceError(
-                "nccl needs GPUs and none are visible to this process "
-                "(check CUDA_VISIBLE_DEVICES); use backend='gloo' to run ranks on CPU"
-            )
-        if ranks > len(gpus):
-            raise DeviceError(
-                f"nccl runs one rank per GPU: {ranks} ranks asked, {_count(len(gpus), 'GPU')} visible "
-                f"({', '.join(gpus)}); ask for at most {_count(len(gpus), 'rank')}, or use backend='gloo'"
-            )
-    cpu_count = cpu_count or os.cpu_count() or 1
+    return backend
+
+
+def check_gpus(ranks: int, gpus: tuple[str, ...]) -> None:
+    """Refuse nccl ranks on this machine beyond its GPUs (``gpus``): it runs one rank per GPU."""
+    if not gpus:
+        raise DeviceError(
+            "nccl needs GPUs and none are visible to this process "
+            "(check CUDA_VISIBLE_DEVICES); use backend='gloo' to run ranks on CPU"
+        )
+    if ranks > len(gpus):
+        raise DeviceError(
+            f"nccl runs one rank per GPU: {ranks} ranks asked, {_count(len(gpus), 'GPU')} visible "
+            f"({', '.join(gpus)}); ask for at most {_count(len(gpus), 'rank')}, or use backend='gloo'"
+        )
+
+
+def threads_here(ranks: int, threads_per_rank: int | None, cpu_count: int, oversubscribe: bool,
+                 available_memory: int | None, on_this_machine: bool) -> int | None:
+    """Each rank's threads, once the machine's cores and memory are known to hold the ranks.
+
+    On this machine, unless ``oversubscribe``: no more ranks than its memory and cores hold, and
+    by default its cores shared among the ranks. Elsewhere None stays None: each rank's host decides."""
     if on_this_machine and not oversubscribe:
         check_capacity(ranks, cpu_count, _available_memory() if available_memory is None else available_memory)
     if threads_per_rank is None and on_this_machine:
         threads_per_rank = max(1, cpu_count // max(1, ranks))
     check_threads(threads_per_rank, cpu_count if on_this_machine and not oversubscribe else None)
-    return RankPlan(
-        backend=backend,
-        ranks=ranks,
-        threads_per_rank=threads_per_rank,
-        check_collectives=check_collectives,
-        gpus=gpus[:ranks] if backend == "nccl" else (),
-        controller_address=controller_address,
-        interface=interface,
-        ranks_per_host=ranks_per_host,
-        on_this_machine=on_this_machine,
-    )
+    return threads_per_rank
 
 
-def check_threads(threads_per_rank, cores: int | None) -> None:
+def check_threads(threads_per_rank: object, cores: int | None) -> None:
     """Refuse a thread count no rank can use: not a whole number, below 1, or above the cores it runs on
     (``cores``; None where they are not known here, or oversubscribing: then only the absolute bound)."""
     most = MAX_THREADS_PER_RANK if cores is None else min(cores, MAX_THREADS_PER_RANK)
@@ -253,7 +290,7 @@ def check_host_places(backend: str, hosts: list[str], gpus_seen: list[int], rank
     held to the count rule: no more ranks than the most GPUs any of its engines shows.
     """
     local_ranks = [local for local, *_ in host_layout(hosts)]
-    known = [None] * len(hosts) if gpu_ids is None else gpu_ids
+    known: list[tuple[str, ...] | None] = [None] * len(hosts) if gpu_ids is None else gpu_ids
     on_host: dict[str, list[int]] = {}
     for rank, host in enumerate(hosts):
         on_host.setdefault(host, []).append(rank)
@@ -267,7 +304,7 @@ def check_host_places(backend: str, hosts: list[str], gpus_seen: list[int], rank
         if any(known[rank] is None for rank in ranks):
             _check_by_count(host, ranks, local_ranks, gpus_seen)
         # Ranks that named their GPUs are checked by the GPU each will use, even beside one that did not.
-        named = {rank: known[rank] for rank in ranks if known[rank] is not None}
+        named = {rank: seen for rank in ranks if (seen := known[rank]) is not None}
         _check_by_identity(host, named, local_ranks, len(ranks))
 
 

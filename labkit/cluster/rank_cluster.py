@@ -19,6 +19,7 @@ and on ``stop()`` leaves no process and no listening port behind.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -38,6 +39,7 @@ from labkit.cluster.launchers import LauncherChoice, choose_launcher
 from labkit.cluster.placement import RankPlan
 from labkit.cluster.workdir import WORKDIR_PREFIX, owner_only, remove_stale_workdirs, write_owner
 from labkit.spec.errors import LabError, StartupError, format_ranks
+from labkit.wire.rank_settings import RankSettings
 
 _ENGINE_STARTUP = "__import__('labkit.wire.entry').rank.entry.install()"
 HEARTBEAT_MS = 200
@@ -61,7 +63,7 @@ class RankCluster:
         self.records: dict[int, RankRecord] = {}
         self.retired_engines: set[int] = set()  # engines of replaced or dropped ranks, maybe not yet unregistered
         self.capabilities: dict = {}
-        self._settings: dict[int, dict] = {}  # rank -> what it was told when it became one
+        self._settings: dict[int, RankSettings] = {}  # rank -> what it was told when it became one
         self._connection: dict | None = None  # the controller's engine connection info
         self.sets_started = 0
         self.phases: list[tuple[str, float]] = []  # (what was done, time.monotonic()) along start()
@@ -210,7 +212,7 @@ class RankCluster:
         print(f"labkit: waiting for machines to join, for the {left:.1f} s left of start_timeout "
               f"({self.start_timeout:g} s from the start of the lab); run this on each:\n{join_command(self)}",
               flush=True)
-        joined = []
+        joined: list[tuple[int, dict]] = []
         while not joined and time.monotonic() < deadline:
             time.sleep(0.2)
             joined = self.joiners()
@@ -296,7 +298,7 @@ class RankCluster:
                 nanny.append(record.engine)
             else:
                 self._signal_dropped(record, signum)
-        if nanny:
+        if nanny and self.client is not None:  # engines go to the nanny only while there is a client
             try:
                 self.client.send_signal(signum, targets=nanny, block=False)
             except Exception as error:  # noqa: BLE001 - dropped in the meantime: gone for the lab either way
@@ -305,10 +307,8 @@ class RankCluster:
     def _signal_set(self, engine_set: str | None, signum: int) -> None:
         launcher = self.cluster.engines.get(engine_set) if self.cluster and engine_set else None
         if launcher is not None:
-            try:
+            with contextlib.suppress(Exception):  # it ended already
                 launcher.signal(signum)
-            except Exception:  # noqa: BLE001 - it ended already
-                pass
 
     def _signal_dropped(self, record: RankRecord, signum: int) -> None:
         together = [other for other in self.records.values() if other.engine_set == record.engine_set]
@@ -316,10 +316,8 @@ class RankCluster:
                                      for other in together):
             self._signal_set(record.engine_set, signum)
         if record.host == socket.gethostname() and not record.joined:
-            try:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(record.pid, signum)
-            except (ProcessLookupError, PermissionError):
-                pass
 
     def replace(self, ranks, timeout: float | None = None) -> None:
         """Kill the given ranks' processes and start fresh ones in their place (not for joined ranks)."""
@@ -351,7 +349,7 @@ class RankCluster:
         first = len(self.records)
         self._assign(joining, list(range(first, first + len(joining))), deadline)
 
-    def place_of(self, rank: int) -> dict:
+    def place_of(self, rank: int) -> dict[str, object]:
         """What this rank was told when it became one (its world, host layout, controller)."""
         return dict(self._settings.get(rank, {}))
 

@@ -1,7 +1,7 @@
 """Everything that runs inside a rank process (torch lives here).
 
-``entry`` holds the functions the notebook sends (importable without torch);
-``runtime`` the rank's own state; ``loop`` the training loop; ``recorder``,
-``timed_group`` and ``gpu_recorder`` the instruments; ``slow_link`` the simulated
-slow network (``lab.link``).
+``runtime`` is the rank's own state (its settings come as ``wire.rank_settings.RankSettings``),
+``requests`` the rank side of the functions ``wire.entry`` sends, ``failures`` how failed
+user work is reported; ``loop`` the training loop; ``instruments/`` the recorders, timed
+groups and the simulated slow network (``lab.link``).
 """

@@ -9,6 +9,7 @@ measure what the lab adds.
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -18,6 +19,9 @@ from labkit.rank.instruments.slow_link import LinkState, QuietRecorder
 from labkit.rank.instruments.timed_group import instrument_mesh
 from labkit.torch_support import torch_internals
 from labkit.wire.gpus import gpu_index, gpus_shown
+
+if TYPE_CHECKING:
+    from labkit.rank.state import TrainState
 
 
 class RankContext:
@@ -29,11 +33,11 @@ class RankContext:
         self.device = device
         self.recorder = recorder_for(rank, device)
         self.link = LinkState()  # the simulated slow link (lab.link), off until the notebook sets one
-        self.store = None  # the process group's rendezvous store, where the notebook's requests wait
+        self.store: dist.Store | None = None  # the process group's rendezvous store, where the notebook's requests wait
         self.generation = 0
         self.formation = 0  # the generation the world was last formed in (a rebuild in place keeps it)
-        self.meshes: dict = {}  # (shape, names, instrumented) -> DeviceMesh of this process group
-        self.train_state = None  # rank.state.TrainState of the last run, until the group changes
+        self.meshes: dict[tuple[Any, ...], Any] = {}  # (shape, names, instrumented) -> DeviceMesh of this group
+        self.train_state: TrainState | None = None  # the last run's, until the group changes
 
     def mesh_for(self, shape, names, instrumented: bool = True):
         """A device mesh of this shape, built once per process group (building one creates groups).

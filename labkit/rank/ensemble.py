@@ -18,16 +18,15 @@ import torch
 
 from labkit.spec.train_config import TrainConfig
 from labkit.torch_support.optimizers import make_optimizer
-from labkit.zoo.data import dataset_for, loss_function
-from labkit.zoo.models import build_model
+from labkit.zoo.catalog import model
 
 HELDOUT_FROM = 1_000_000  # batch numbers from here on are never trained on
 
 
-def _predict(model, inputs: torch.Tensor, model_name: str):
-    """Class probabilities (next-token, for the GPT) or the regression output (the MLP)."""
-    output = model(inputs)
-    if model_name == "gpt":
+def _predict(network: torch.nn.Module, inputs: torch.Tensor, classifies: bool) -> torch.Tensor:
+    """Class probabilities (a classifier's, such as the GPT's next token) or the regression output (the MLP)."""
+    output = network(inputs)
+    if classifies:
         return torch.softmax(output.float(), dim=-1)
     return output.float()
 
@@ -37,24 +36,25 @@ def train_member(spec: dict) -> dict:
     config = TrainConfig(model=spec["model"], lr=spec["lr"], optimizer=spec["optimizer"],
                          model_settings=spec["model_settings"])
     model_config = config.model_config
-    model = build_model(spec["model"], model_config, spec["seed"], "cpu")
-    optimizer = make_optimizer(model.parameters(), config)
-    data = dataset_for(spec["model"], model_config, spec["data_seed"])
-    loss_fn = loss_function(spec["model"])
+    declared = model(spec["model"])
+    network = declared.build(model_config, spec["seed"], "cpu")
+    optimizer = make_optimizer(network.parameters(), config)
+    data = declared.data(model_config, spec["data_seed"])
+    loss_fn = declared.loss
     losses = []
     for step in range(spec["steps"]):
         inputs, targets = data.batch(step, spec["global_batch"])
         optimizer.zero_grad(set_to_none=True)
-        loss = loss_fn(model(inputs), targets)
+        loss = loss_fn(network(inputs), targets)
         loss.backward()
         optimizer.step()
         losses.append(float(loss))
     predictions, answers = [], []
     with torch.no_grad():
-        model.eval()
+        network.eval()
         for batch in range(spec["heldout_batches"]):
             inputs, targets = data.batch(HELDOUT_FROM + batch, spec["global_batch"])
-            predictions.append(_predict(model, inputs, spec["model"]))
+            predictions.append(_predict(network, inputs, declared.classifies))
             answers.append(targets)
     from labkit.wire.current import this_rank
 
@@ -66,5 +66,5 @@ def train_member(spec: dict) -> dict:
         "losses": losses,
         "predictions": torch.cat(predictions).numpy(),
         "targets": torch.cat(answers).numpy(),
-        "weights": {name: tensor.detach().numpy().copy() for name, tensor in model.state_dict().items()},
+        "weights": {name: tensor.detach().numpy().copy() for name, tensor in network.state_dict().items()},
     }

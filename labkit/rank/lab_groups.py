@@ -29,6 +29,7 @@ different groups.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch.distributed as dist
 
@@ -55,7 +56,7 @@ class GroupRecipe:
     ranks: tuple[int, ...]  # global ranks, in the group's order
     description: str
     options: object = None  # torch's backend options (nccl), as new_group was given them
-    timeout: object = None  # a timedelta, or None: the lab's
+    timeout: timedelta | None = None  # None: the lab's
 
 
 class WorldGroup(TimedGroup):
@@ -82,19 +83,27 @@ class LabGroups:
         self.link = link
         self.world: WorldGroup | None = None
         self.handles: dict[TimedGroup, GroupRecipe] = {}  # live handles, in creation order (the world first)
-        self.store = None
+        self.store: dist.TCPStore | None = None  # the rendezvous store of the world formed last
         self.generation = 0
-        self.timeout = None
+        self.timeout: timedelta | None = None
         self.connections: set = set()  # (local, remote) addresses of the TCP connections of this rank's groups
 
     # -- building ---------------------------------------------------------------
 
+    def _world_store(self) -> dist.TCPStore:
+        assert self.store is not None  # form() came first
+        return self.store
+
+    def _world(self) -> WorldGroup:
+        assert self.world is not None  # form() made the world before any other group
+        return self.world
+
     def _generation_store(self):
-        return dist.PrefixStore(f"labkit/g{self.generation}/", self.store)
+        return dist.PrefixStore(f"labkit/g{self.generation}/", self._world_store())
 
     def _build(self, recipe: GroupRecipe, world: bool = False):
         """The real group of ``recipe`` for this generation (rendezvous with its other members)."""
-        rank = self.world.rank() if not world else self._rank
+        rank = self._world().rank() if not world else self._rank
         before = established_connections()
         raw = torch_internals.new_backend_group(
             len(recipe.ranks), recipe.ranks.index(rank), [] if world else list(recipe.ranks), self.backend,
@@ -103,7 +112,7 @@ class LabGroups:
             description=recipe.description)
         # Only gloo's: the store's connections (a rank whose store client connected while rank 0 built
         # its group shows up here on rank 0) and the controller's must never be closed.
-        kept = {self.store.port, *self.keep_ports}
+        kept = {self._world_store().port, *self.keep_ports}
         self.connections |= {pair for pair in established_connections() - before
                              if pair[0][1] not in kept and pair[1][1] not in kept}
         return raw
@@ -113,7 +122,7 @@ class LabGroups:
         self.store, self.generation, self.timeout, self._rank = store, generation, timeout, rank
         recipe = GroupRecipe(world_name(generation), tuple(range(world_size)), "default_pg")
         world = WorldGroup(self._build(recipe, world=True), QuietRecorder(), self.link, self)
-        world._set_group_name(recipe.name)
+        world._set_group_name(torch_internals.group_name(recipe.name))
         world._set_group_desc("default_pg")
         torch_internals.install_world(world, self.backend, self._generation_store())
         self.world = world
@@ -122,11 +131,11 @@ class LabGroups:
 
     def new_group(self, ranks: list[int], timeout, options, name: str, description: str | None):
         """A handle for the group of ``ranks`` that torch is making as ``name`` (None on other ranks)."""
-        if self.world.rank() not in ranks:
+        if self._world().rank() not in ranks:
             return None
         recipe = GroupRecipe(str(name), tuple(ranks), description or "undefined", options, timeout)
         handle = TimedGroup(self._build(recipe), QuietRecorder(), self.link)
-        handle._set_group_name(recipe.name)
+        handle._set_group_name(torch_internals.group_name(recipe.name))
         handle._set_group_desc(recipe.description)
         self.handles[handle] = recipe
         return handle

@@ -1,7 +1,8 @@
 """The training loop every strategy shares, on CPU and GPU ranks alike.
 
-``train(config)`` runs on every rank (``Lab.train`` sends it): build the zoo
-model with the same seed everywhere, apply the strategy (``strategies``), then
+``train(config)`` runs on every rank (``Lab.train`` sends it): build the model
+(its declaration, ``zoo.catalog``) with the same seed everywhere, apply the
+strategy (``strategies``), then
 for each step take this rank's slice of the step's global batch, run forward and
 backward, and let the optimizer update what this rank holds. Nothing in the loop
 knows which strategy it runs; the ``ParallelModel`` does.
@@ -19,11 +20,12 @@ CPU prepares step n+1 while the GPU runs step n.
 from __future__ import annotations
 
 import contextlib
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
 
-from labkit.rank.context import ScriptContext  # noqa: F401 - the benchmarks' way in, beside train
+from labkit.rank.context import RankContext, ScriptContext  # noqa: F401 - ScriptContext: the benchmarks' way in
 from labkit.rank.environment import device_name
 from labkit.rank.instruments.run_instruments import instruments_for
 from labkit.rank.instruments.step_timer import StepTimer
@@ -33,15 +35,16 @@ from labkit.rank.periodic_checkpoints import PeriodicCheckpoints
 from labkit.rank.state import state_for
 from labkit.spec.train_config import OPTIMIZERS, TrainConfig
 from labkit.strategies.catalog import DATA_AXES, strategy
-from labkit.strategies.compose import shard_for_memory_estimate
+from labkit.strategies.compose import ParallelModel, shard_for_memory_estimate
 from labkit.torch_support.host_staging import PinnedStaging
 from labkit.torch_support.optimizers import make_optimizer
 from labkit.wire.current import this_rank
-from labkit.zoo.models import build_model
+from labkit.wire.schema import MemoryBytes, RankResult
+from labkit.zoo.catalog import model
 
 
 @contextlib.contextmanager
-def precision_settings(config: TrainConfig):
+def precision_settings(config: TrainConfig) -> Iterator[None]:
     """TF32 matrix products for the run when asked (NVIDIA GPUs), restored afterwards."""
     if not config.tf32:
         yield
@@ -132,21 +135,28 @@ class LossLog:
             print(f"step {first + step + 1:>4}/{first + config.steps}  loss {loss:.4f}{took}", flush=True)
 
 
-def train(config: TrainConfig, context=None) -> dict:
+def train(config: TrainConfig, context: RankContext | None = None) -> RankResult:
     runtime = context or this_rank()
     with precision_settings(config):
         return _train(config, runtime)
 
 
-def _train(config: TrainConfig, runtime) -> dict:
+def _reports(config: TrainConfig, parallel: ParallelModel, coordinate: dict[str, int]) -> bool:
+    """Whether this rank prints the progress lines: among the ranks that compute the loss (a pipeline's
+    last stage), the first data-parallel replica's first along every axis whose ranks share one loss."""
+    shared = {strategy(part).axis for part in config.parts if not strategy(part).loss_on_one_rank}
+    first_replica = parallel.data_share is not None and parallel.data_share[0] == 0
+    return parallel.owns_loss and first_replica and all(
+        index == 0 for name, index in coordinate.items() if name in shared and name not in DATA_AXES)
+
+
+def _train(config: TrainConfig, runtime: RankContext) -> RankResult:
     device = runtime.device
     state = state_for(config, runtime, make_optimizer)
     parallel, optimizer, mesh = state.parallel, state.optimizer, state.mesh
     coordinate = _coordinate(mesh, config)
     data = state.data()
-    # The first replica's last stage, first tensor shard prints the progress lines.
-    reporter = parallel.owns_loss and parallel.data_share[0] == 0 and all(
-        index == 0 for name, index in coordinate.items() if name not in ("pp", *DATA_AXES))
+    reporter = _reports(config, parallel, coordinate)
     recorder = runtime.recorder
     recorder.clear()  # rows and timeline describe this run only
     parallel.strategy_results.clear()  # and so do what the strategy measured
@@ -154,7 +164,8 @@ def _train(config: TrainConfig, runtime) -> dict:
     timer = StepTimer(device)
     losses = LossLog(config, mesh, parallel, recorder, reporter, timer)
     samples = config.global_batch // config.data_parts if parallel.data_share is not None else 0
-    tokens = samples * config.model_config.seq if config.model == "gpt" else None
+    tokens_per_sample = model(config.model).tokens_per_sample
+    tokens = samples * tokens_per_sample(config.model_config) if tokens_per_sample is not None else None
     saved: list[str] = []  # checkpoints this run wrote
     staging = batch_staging(device)  # one per run: its buffers are reused by every step
     checkpoints = PeriodicCheckpoints(config) if config.checkpoint_every else None
@@ -174,13 +185,13 @@ def _train(config: TrainConfig, runtime) -> dict:
         timer.end()
         instruments.end_step(samples, tokens, loss, delay)
         losses.add(step, loss)
-        if checkpoints is not None and state.step % config.checkpoint_every == 0:
+        if checkpoints is not None and config.checkpoint_every and state.step % config.checkpoint_every == 0:
             saved.append(checkpoints.save(state))
     losses.print_due()
     instruments.finish()
     state.pause()
     step_seconds = timer.seconds()
-    result = {
+    result: RankResult = {
         "rank": runtime.rank,
         "role": parallel.role,
         "coordinate": coordinate,
@@ -189,7 +200,7 @@ def _train(config: TrainConfig, runtime) -> dict:
         "losses": losses.values(),
         "step_seconds": step_seconds,
         "steps_done": len(step_seconds),
-        "memory": memory_bytes(parallel.module, optimizer, parallel.extra_state.values()),
+        "memory": _typed(memory_bytes(parallel.module, optimizer, parallel.extra_state.values())),
         "rows": instruments.rows(),
         "timeline": instruments.timeline(),
         "device_name": device_name(device),
@@ -204,12 +215,17 @@ def _train(config: TrainConfig, runtime) -> dict:
 
 
 def estimate_memory(config: TrainConfig) -> dict[str, int]:
-    """This rank's parameter, gradient and optimizer bytes under ``config``, from a meta-device model."""
+    """This rank's parameter, gradient and optimizer bytes under ``config``, from a meta-device model
+    (``MemoryBytes``'s keys)."""
     runtime = this_rank()
     mesh = runtime.mesh_for(config.mesh_shape, config.mesh_names, instrumented=config.instruments)
-    model = build_model(config.model, config.model_config, config.seed, "meta")
-    shard_for_memory_estimate(model, mesh, config, runtime.backend)
-    param_bytes = sum(local_bytes(p) for p in {id(p): p for p in model.parameters()}.values())
+    network = model(config.model).build(config.model_config, config.seed, "meta")
+    shard_for_memory_estimate(network, mesh, config, runtime.backend)
+    param_bytes = sum(local_bytes(p) for p in {id(p): p for p in network.parameters()}.values())
     # A strategy may keep copies of the parameters beside the optimizer's state (DiLoCo: two).
     copies = sum(strategy(part).state_copies for part in config.parts)
     return estimated_bytes(param_bytes, OPTIMIZERS[config.optimizer] + copies)
+
+
+def _typed(memory: dict[str, int]) -> MemoryBytes:
+    return MemoryBytes(params=memory["params"], grads=memory["grads"], optimizer=memory["optimizer"])

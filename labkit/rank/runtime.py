@@ -18,16 +18,15 @@ the groups in place (``lab_groups``), so the objects built on them go on.
 from __future__ import annotations
 
 import ast
-import re
 import linecache
 import os
 import signal
 import socket
 import sys
 import time
-import traceback
 import warnings
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -35,6 +34,7 @@ import torch.distributed as dist
 from labkit.rank.context import RankContext
 from labkit.rank.environment import (device_name, process_group_backend, seed_as_asked, seed_independently,
                                      nccl_seconds, torchrun_environment)
+from labkit.rank.failures import error_info
 from labkit.rank.instruments.recorders import recorder_for
 from labkit.rank.lab_groups import LabGroups
 from labkit.rank.requests import RankRequests
@@ -42,49 +42,42 @@ from labkit.rank.user_process import UserProcess
 from labkit.rank.whereabouts import Whereabouts
 from labkit.spec.network import place_on_network
 from labkit.torch_support.torch_internals import reset_ddp_reducer, set_group_timeout
+from labkit.wire import entry
 from labkit.wire.current import RUNTIME_NAME
 from labkit.wire.gpus import gpu_index, gpus_shown
-from labkit.wire.schema import FailureKind
+from labkit.wire.rank_settings import RankSettings
 
-# Error text by which a rank knows it failed *because of another rank*: the peer
-# closed the connection (it failed first) or the collective timed out waiting.
-_COLLATERAL_MARKERS = (
-    "Connection closed by peer",
-    "Connection reset by peer",
-    "Timed out waiting",
-    "timed out",
-    "Broken pipe",
-    "NCCL communicator was aborted",
-)
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 
 class RankRuntime(RankContext):
     """One lab rank: identity, process group generation, mesh, training state, the cells it runs."""
 
-    def __init__(self, namespace: dict, settings: dict) -> None:
+    def __init__(self, namespace: dict, settings: RankSettings) -> None:
         """``settings``: what the notebook decided for this rank (``cluster.placement.RankPlan.settings``)."""
         backend = settings["backend"]
-        self.local_rank = int(settings.get("local_rank", 0))
-        self.local_world_size = int(settings.get("local_world_size", 1))
-        self.host_index = int(settings.get("host_index", 0))
-        self.host_count = int(settings.get("host_count", 1))
+        self.local_rank = settings["local_rank"]
+        self.local_world_size = settings["local_world_size"]
+        self.host_index = settings["host_index"]
+        self.host_count = settings["host_count"]
         if backend == "nccl":
             # One GPU per rank, by the rule the notebook checked the placement against (and scripts use).
             device = torch.device("cuda", gpu_index(self.local_rank, gpus_shown()))
         else:
             device = torch.device("cpu")
-        super().__init__(int(settings["rank"]), backend, device)
+        super().__init__(settings["rank"], backend, device)
         self.namespace = namespace
-        self.world_size = int(settings["world_size"])
+        self.world_size = settings["world_size"]
         self.interface, self.address = place_on_network(settings["controller_address"],
                                                          # a joined machine's own --interface first
-                                                         os.environ.get("LABKIT_INTERFACE") or settings.get("interface"))
+                                                         os.environ.get("LABKIT_INTERFACE") or settings["interface"])
         # gloo and nccl open their data sockets on this interface only (read when a group forms).
         os.environ["GLOO_SOCKET_IFNAME"] = os.environ["NCCL_SOCKET_IFNAME"] = self.interface
-        self.controller_ports = frozenset(settings.get("controller_ports", ()))
+        self.controller_ports = frozenset(settings["controller_ports"])
         self.groups = LabGroups(process_group_backend(backend), device if backend == "nccl" else None, self.link,
                                 keep_ports=self.controller_ports)
-        self.mesh = None
+        self.mesh: DeviceMesh | None = None
         self.mesh_spec: tuple[tuple[int, ...], tuple[str, ...]] | None = None
         self.cells_run = 0
         self.user_process = UserProcess()  # the notebook's folder, umask and environment, for user work
@@ -92,13 +85,13 @@ class RankRuntime(RankContext):
         self.requests = RankRequests(self)  # the rank side of wire.entry's train, save, load, seed, push
         # What the engine loaded to become a rank: a script's folder never displaces these.
         self.lasting_modules = frozenset(name.partition(".")[0] for name in list(sys.modules))
-        threads = int(settings.get("threads", 1))
+        threads = settings["threads"]
         os.environ["OMP_NUM_THREADS"] = str(threads)
         torch.set_num_threads(threads)
         if self.backend == "nccl":
             torch.cuda.set_device(self.device)
         seed_independently()  # forked ranks would otherwise share the host's random state
-        if settings.get("check_collectives"):
+        if settings["check_collectives"]:
             # torch checks every collective's kind, shapes and dtypes across ranks before running it
             # (one more small collective each) and names the ranks that differ.
             os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
@@ -242,12 +235,15 @@ class RankRuntime(RankContext):
 
     # -- mesh -----------------------------------------------------------------
 
-    def build_mesh(self, shape: list[int], names: list[str]):
-        """The notebook's mesh: built on every rank, available to cells as ``mesh``."""
-        self.mesh = self.mesh_for(shape, names)
+    def build_mesh(self, shape: list[int], names: list[str]) -> tuple[int, ...]:
+        """The notebook's mesh: built on every rank, available to cells as ``mesh``; this rank's coordinate."""
+        mesh: DeviceMesh = self.mesh_for(shape, names)
+        self.mesh = mesh
         self.mesh_spec = (tuple(shape), tuple(names))
-        self.namespace["mesh"] = self.mesh
-        return tuple(self.mesh.get_coordinate())
+        self.namespace["mesh"] = mesh
+        coordinate = mesh.get_coordinate()
+        assert coordinate is not None  # the notebook's mesh spans every rank
+        return tuple(coordinate)
 
     # -- running user work ------------------------------------------------------
 
@@ -326,12 +322,7 @@ class RankRuntime(RankContext):
                 "rank": self.rank,
                 "ok": False,
                 "seconds": time.perf_counter() - started,
-                "error": {
-                    "type": type(error).__name__,
-                    "message": str(error),
-                    "traceback": _user_traceback(error) + _hint(error),
-                    "kind": classify_error(error),
-                },
+                "error": error_info(error, _own_files()),
             }
             # The groups stay as they are: the notebook reads every rank's report and has the
             # groups released and rebuilt only when a collective was cut (Session.recover).
@@ -356,41 +347,8 @@ def _forget_cut_reductions() -> None:
                 reset_ddp_reducer(candidate)
 
 
-def classify_error(error: BaseException) -> str:
-    """'interrupted', 'collective' (failed because a peer failed or hung) or 'raised'."""
-    if isinstance(error, KeyboardInterrupt):
-        return FailureKind.INTERRUPTED
-    text = str(error)
-    distributed_error = isinstance(error, getattr(dist, "DistError", ())) or "gloo" in text or "c10d" in text
-    if distributed_error and any(marker in text for marker in _COLLATERAL_MARKERS):
-        return FailureKind.COLLECTIVE
-    return FailureKind.RAISED
-
-
-_FINGERPRINT = re.compile(r"Rank (\d+) is running collective: CollectiveFingerPrint\(SequenceNumber=(\d+), "
-                          r"OpType=(\w+), TensorShape=\[([^\]]*)\], TensorDtypes=(\w+)")
-
-
-def _hint(error: BaseException) -> str:
-    """What to do about an error that ranks make where a single process would not."""
-    calls = _FINGERPRINT.findall(str(error))
-    if calls:
-        said = "; ".join(f"rank {rank} calls {op.lower()} of shape [{shape}] ({dtype.lower()}), its collective "
-                         f"number {sequence}" for rank, sequence, op, shape, dtype in calls)
-        return f"Hint: the ranks called different collectives at the same point: {said}.\n"
-    if isinstance(error, NameError):
-        return ("Hint: each rank has its own namespace. Names the notebook defined or imported are not on the "
-                "ranks: import inside the function, or run the import in a %%lab cell first.\n")
-    return ""
-
-
-def _user_traceback(error: BaseException) -> str:
-    """The traceback from the user's code down, without the runtime's own frames."""
+def _own_files() -> set[str]:
+    """The lab's files a traceback of user work passes through above the user's code: left out of reports."""
     from labkit.rank import script
 
-    # entry's frames by its file's name: entry calls into this module, which never imports it back
-    own = {__file__, script.__file__, os.path.join(os.path.dirname(__file__), "entry.py")}
-    tb = error.__traceback__
-    while tb is not None and tb.tb_frame.f_code.co_filename in own:
-        tb = tb.tb_next
-    return "".join(traceback.format_exception(type(error), error, tb))
+    return {__file__, script.__file__, entry.__file__}

@@ -27,8 +27,8 @@ import torch
 
 from labkit.spec.train_config import TrainConfig, resume_differences
 from labkit.strategies.compose import ParallelModel, parallelize
-from labkit.zoo.data import dataset_for, loss_function
-from labkit.zoo.models import build_model
+from labkit.zoo.catalog import model
+from labkit.zoo.model_protocol import Batches
 
 
 def random_state() -> dict:
@@ -64,8 +64,8 @@ class TrainState:
     def model(self) -> torch.nn.Module:
         return self.parallel.module
 
-    def data(self):
-        return dataset_for(self.config.model, self.config.model_config, self.config.seed)
+    def data(self) -> Batches:
+        return model(self.config.model).data(self.config.model_config, self.config.seed)
 
     def finish_step(self) -> None:
         self.step += 1
@@ -97,8 +97,9 @@ def build_state(config: TrainConfig, runtime, make_optimizer) -> TrainState:
     """A fresh model on every rank (the same seed everywhere), split by the strategy, with its optimizer."""
     device = runtime.device
     mesh = runtime.mesh_for(config.mesh_shape, config.mesh_names, instrumented=config.instruments)
-    model = build_model(config.model, config.model_config, config.seed, device)
-    parallel = parallelize(model, mesh, config, loss_function(config.model), device, runtime.backend, runtime.rank)
+    declared = model(config.model)
+    network = declared.build(config.model_config, config.seed, device)
+    parallel = parallelize(network, mesh, config, declared.loss, device, runtime.backend, runtime.rank)
     optimizer = make_optimizer(parallel.module.parameters(), config, device)
     return TrainState(config, parallel, optimizer, mesh, runtime.formation)
 

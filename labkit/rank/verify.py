@@ -26,8 +26,8 @@ applied twice) lands orders of magnitude above.
 from __future__ import annotations
 
 import functools
-import importlib
 import logging
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -36,47 +36,52 @@ from torch.distributed.tensor import DTensor
 from labkit.rank.lab_traffic import control_tensor
 from labkit.spec.train_config import TrainConfig
 from labkit.strategies.catalog import strategy
+from labkit.strategies.rank_side import OwnReference, Parameters, rank_module
 from labkit.torch_support.optimizers import make_optimizer
 from labkit.torch_support.torch_internals import DTENSOR_REDISTRIBUTE_LOGGER
 from labkit.wire.schema import Verdict, equivalence_bound
-from labkit.zoo.data import dataset_for, loss_function
-from labkit.zoo.models import build_model
+from labkit.zoo.catalog import model
+
+# (config, device, steps, chunks) -> (initial, final) parameters of a single-process reference.
+Reference = Callable[..., tuple[Parameters, Parameters]]
 
 
 @torch.enable_grad()
-def reference_parameters(config: TrainConfig, device, steps: int, chunks: int = 1) -> tuple[dict, dict]:
+def reference_parameters(config: TrainConfig, device: str | torch.device, steps: int,
+                         chunks: int = 1) -> tuple[Parameters, Parameters]:
     """(initial, final) parameters of ``steps`` single-process steps on the same global batches.
 
     ``chunks`` > 1 sums each step's gradient over that many equal parts of the
     batch: the same mathematics, another rounding.
     """
     device = torch.device(device)
-    model = build_model(config.model, config.model_config, config.seed, device)
-    initial = {name: p.detach().clone() for name, p in model.named_parameters()}
-    optimizer = make_optimizer(model.parameters(), config, device)
-    data = dataset_for(config.model, config.model_config, config.seed)
-    loss_fn = loss_function(config.model)
+    declared = model(config.model)
+    network = declared.build(config.model_config, config.seed, device)
+    initial = {name: p.detach().clone() for name, p in network.named_parameters()}
+    optimizer = make_optimizer(network.parameters(), config, device)
+    data = declared.data(config.model_config, config.seed)
+    loss_fn = declared.loss
     for step in range(steps):
         inputs, targets = (t.to(device) for t in data.batch(step, config.global_batch))
         optimizer.zero_grad(set_to_none=True)
         for part_inputs, part_targets in zip(inputs.chunk(chunks), targets.chunk(chunks)):
-            (loss_fn(model(part_inputs), part_targets) / chunks).backward()
+            (loss_fn(network(part_inputs), part_targets) / chunks).backward()
         optimizer.step()
-    return initial, {name: p.detach() for name, p in model.named_parameters()}
+    return initial, {name: p.detach() for name, p in network.named_parameters()}
 
 
-def reference_for(config: TrainConfig, parallel):
+def reference_for(config: TrainConfig, parallel) -> Reference:
     """``(config, device, steps, chunks) -> (initial, final)``: the run's single-process reference.
 
     A strategy that is not one-process training (DiLoCo's replicas drift apart
-    between outer steps) offers its own as ``reference_parameters`` in its
-    module, given this rank's share of the data (which replica it is); else
-    plain training on the whole batch.
+    between outer steps) offers its own (``rank_side.OwnReference``), given
+    this rank's share of the data (which replica it is); else plain training on
+    the whole batch.
     """
     for part in config.parts:
-        own = getattr(importlib.import_module(strategy(part).module_name), "reference_parameters", None)
-        if own is not None:
-            return functools.partial(own, data_share=parallel.data_share)
+        module = rank_module(strategy(part))
+        if isinstance(module, OwnReference):
+            return functools.partial(module.reference_parameters, data_share=parallel.data_share)
     return reference_parameters
 
 
@@ -86,7 +91,7 @@ def relative_difference(value: torch.Tensor, expected: torch.Tensor) -> float:
 
 def resummed_chunks(config: TrainConfig) -> int:
     """How the rounding-noise reference splits each batch: as the dp ranks and microbatches do, at least in two."""
-    chunks = max(2, config.data_parts * config.micro_batches)
+    chunks = max(2, config.data_parts * (config.micro_batches or 1))
     return chunks if config.global_batch % chunks == 0 else 1
 
 

@@ -18,9 +18,13 @@ uninstrumented); ``CollectiveBench`` here is the notebook's table and picture.
 from __future__ import annotations
 
 import io
+from typing import TYPE_CHECKING
 
 from labkit.rank.bench import measure, memcpy_bandwidth
 from labkit.units import format_binary
+
+if TYPE_CHECKING:  # the session is a layer above the runs it drives
+    from labkit.session import Session
 
 OPERATIONS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
 BUS_FACTOR = {
@@ -88,7 +92,8 @@ class CollectiveBench:
         return buffer.getvalue()
 
 
-def run_benchmark(session, operation: str, sizes, iterations: int | None, warmup: int, timeout: float) -> CollectiveBench:
+def run_benchmark(session: Session, operation: str, sizes, iterations: int | None, warmup: int,
+                  timeout: float) -> CollectiveBench:
     """Notebook side of ``Lab.bench_collective``: check the request, time each size, gather."""
     from labkit.spec.errors import LabConfigError
 

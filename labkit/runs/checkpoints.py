@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import glob
 import os
+from typing import TYPE_CHECKING
 
 from labkit.runs.checkpoint_check import check_files, read_meta
 from labkit.spec.checkpoint_files import META_FILE, is_checkpoint_file, is_complete, partial_directory, recoverable, \
@@ -30,6 +31,9 @@ from labkit.spec.errors import LabBusy, LabConfigError
 from labkit.spec.train_config import TrainConfig, checkpoint_settings, identity_differences, resolve
 from labkit.strategies.catalog import checkpoint_refusal
 from labkit.wire import entry
+
+if TYPE_CHECKING:  # the session is a layer above the runs it drives
+    from labkit.session import Session
 
 __all__ = ["META_FILE", "find_checkpoint", "is_complete", "load", "read_meta", "save"]
 STEP_PATTERN = "step-*"
@@ -58,7 +62,7 @@ def find_checkpoint(path: str) -> str:
                          "save one with lab.save(path), or train with checkpoint_every and checkpoint_dir")
 
 
-def save(session, path: str, timeout: float) -> str:
+def save(session: Session, path: str, timeout: float) -> str:
     """Save the training state the ranks hold into the directory ``path``; return its full path.
 
     ``path`` may be new, an empty folder, or a checkpoint labkit wrote (replaced); anything else is refused."""
@@ -92,7 +96,8 @@ def _normalised(settings: dict) -> dict:
                                            for key, value in model_settings.items()}}
 
 
-def load(session, path: str, timeout: float, mesh: dict | None = None, say: bool = True, **overrides) -> TrainConfig:
+def load(session: Session, path: str, timeout: float, mesh: dict | None = None, say: bool = True,
+         **overrides) -> TrainConfig:
     """Load the checkpoint at ``path`` into the ranks (resharded to them); return the run's config.
 
     ``say``: print which step was loaded (a heal says it in its own words)."""

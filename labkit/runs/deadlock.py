@@ -71,7 +71,7 @@ class Deadlock:
         return "\n".join([self.headline, *(f"  {line}" for line in self.lines)])
 
 
-def in_flight(rank: int, groups: dict) -> list[InFlight]:
+def in_flight(rank: int, groups: dict | None) -> list[InFlight]:
     """The collectives ``rank`` has in flight, from its groups' state."""
     found = []
     for name, group in (groups or {}).items():
@@ -206,22 +206,23 @@ def all_blocked(states: dict, finished: dict, absent: dict, pending, now: float)
     if not pending or set(pending) - set(states):
         return None
     world = _world(states)
-    waits = []
+    waits: list[tuple[InFlight, int]] = []  # (the collective each rank waits in first, its number)
     for rank in sorted(pending):
         waited = [item for item in in_flight(rank, states[rank].get("groups")) if item.waited]
-        if not waited or waited[0].number is None:
+        first = waited[0] if waited else None
+        if first is None or first.number is None:
             return None  # computing, in a send or receive, or a collective whose number is blurred
-        waits.append(waited[0])
+        waits.append((first, first.number))
     lines = []
-    for item in waits:
+    for item, number in waits:
         counts = {member: _count(member, item.group, states, finished, absent) for member in item.members}
-        if all(count is None or count >= item.number for count in counts.values()):
+        if all(count is None or count >= number for count in counts.values()):
             return None  # all arrived: slow, not stuck (or stranded: rule 4)
         lines.append(describe_rank(states[item.rank], item, now, world) + "; not there: " + format_ranks(
-            sorted(member for member, count in counts.items() if count is not None and count < item.number)))
+            sorted(member for member, count in counts.items() if count is not None and count < number)))
     headline = f"deadlock: every rank of the cell waits in a collective that cannot complete ({len(waits)} ranks)"
-    return Deadlock("all blocked", headline, lines, {item.group for item in waits},
-                    frozenset((item.rank, item.group, item.sequence) for item in waits))
+    return Deadlock("all blocked", headline, lines, {item.group for item, _ in waits},
+                    frozenset((item.rank, item.group, item.sequence) for item, _ in waits))
 
 
 def stranded(states: dict, finished: dict, absent: dict, now: float) -> Deadlock | None:
@@ -232,7 +233,8 @@ def stranded(states: dict, finished: dict, absent: dict, now: float) -> Deadlock
             if not item.waited or item.number is None:
                 continue
             others = [member for member in item.members if member != rank]
-            if not others or not all(_completed(member, item, states, finished, absent) for member in others):
+            if not others or not all(_completed(member, item, item.number, states, finished, absent)
+                                     for member in others):
                 continue
             headline = (f"deadlock: rank {rank} waits in {item.kind} as collective {item.number} of "
                         f"{describe_group(item.group, item.members, world)}, which {format_ranks(others)} "
@@ -242,13 +244,14 @@ def stranded(states: dict, finished: dict, absent: dict, now: float) -> Deadlock
     return None
 
 
-def _completed(member: int, item: InFlight, states: dict, finished: dict, absent: dict) -> bool:
+def _completed(member: int, item: InFlight, number: int, states: dict, finished: dict, absent: dict) -> bool:
+    """Whether ``member`` completed ``item``, collective ``number`` of its group."""
     count = _count(member, item.group, states, finished, absent)
-    if count is None or count < item.number:
+    if count is None or count < number:
         return False
     groups = states[member].get("groups") if member in states else (
         finished[member].get("groups") if member in finished else absent.get(member))
-    return all(other.at_least > item.number for other in in_flight(member, groups) if other.group == item.group)
+    return all(other.at_least > number for other in in_flight(member, groups) if other.group == item.group)
 
 
 def find_deadlock(states: dict, finished: dict, absent: dict | None = None, work_ranks=(), now: float = 0.0):

@@ -36,6 +36,8 @@ from __future__ import annotations
 
 import signal
 import time
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 from labkit.cluster.rank_whereabouts import WhereaboutsReader
 from labkit.runs.deadlock import DeadlockWatch, in_flight, waiting_note
@@ -43,6 +45,10 @@ from labkit.spec.errors import LabError
 from labkit.views.rank_output import LiveOutput, RankTexts
 from labkit.wire import entry as rank_entry
 from labkit.wire.schema import FailureKind, RankReport
+
+if TYPE_CHECKING:
+    from labkit.cluster.rank_cluster import RankCluster
+    from labkit.runs.notebook_process import NotebookProcess
 
 POLL_SECONDS = 0.1  # waits end early when a result lands; this paces output and liveness checks
 LIVENESS_CHECK_SECONDS = 0.5
@@ -63,7 +69,7 @@ def _report(rank: int, kind: str, error_type: str, message: str, traceback: str 
     }
 
 
-def _report_from_remote_error(rank: int, error: BaseException) -> dict:
+def _report_from_remote_error(rank: int, error: BaseException) -> RankReport:
     """A failure outside the runtime's guard (e.g. an interrupt during clean-up)."""
     error_type = getattr(error, "ename", type(error).__name__)
     message = getattr(error, "evalue", str(error))
@@ -85,18 +91,18 @@ class RankWork:
 
     def __init__(
         self,
-        cluster,
-        ranks,
-        entry,
-        args,
+        cluster: RankCluster,
+        ranks: Iterable[int],
+        entry: Callable,
+        args: tuple,
         timeout: float,
         interrupt_grace: float,
         output: LiveOutput,
-        on_tick=None,
-        on_interrupt=None,
-        notebook=None,
+        on_tick: Callable[[RankWork], None] | None = None,
+        on_interrupt: Callable[[], float] | None = None,
+        notebook: NotebookProcess | None = None,
         store_address: tuple[str, int] | None = None,
-    ):
+    ) -> None:
         """``on_tick(work)`` runs at every poll (live metrics read ``work.results``);
         ``on_interrupt()`` may ask the ranks to wind down and return how many
         seconds to give them before they are interrupted. ``notebook``: the
@@ -109,7 +115,7 @@ class RankWork:
         self.timeout = timeout
         self.interrupt_grace = interrupt_grace
         self.output = output
-        self.reports: dict[int, dict] = {}
+        self.reports: dict[int, RankReport] = {}
         self.replaced: list[int] = []
         self.timed_out = False
         self.interrupted = False
@@ -200,7 +206,7 @@ class RankWork:
             self._release(states)
             return
         found = None
-        if states:
+        if states and self._reader is not None:  # (only a reader finds states)
             found = self._watch.check(states, self.reports, self._absent(states), self.ranks, list(self.pending),
                                       now, self._reader.rounds)
         if found is None:
@@ -293,7 +299,7 @@ class RankWork:
 
     # -- bringing stuck ranks back ---------------------------------------------
 
-    def _settle_seconds(self) -> float:
+    def settle_seconds(self) -> float:
         """Time past the limit for the ranks' own collective timeouts to fire."""
         return min(3.0, 0.5 + 0.1 * self.timeout)
 
@@ -316,11 +322,11 @@ class RankWork:
         self.cluster.replace(stuck)
         self.replaced = stuck
 
-    def wait(self) -> dict[int, dict]:
+    def wait(self) -> dict[int, RankReport]:
         try:
             self._wait_until(self.started + self.timeout)
             if self.pending:
-                self._wait_until(time.monotonic() + self._settle_seconds())
+                self._wait_until(time.monotonic() + self.settle_seconds())
                 if self.pending:
                     self.timed_out = True
                     self._escalate()

@@ -28,6 +28,7 @@ numpy arrays in ``EnsembleReport.weights``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy
 
@@ -35,7 +36,12 @@ from labkit.runs.tasks import run_tasks
 from labkit.spec.errors import LabConfigError
 from labkit.spec.train_config import OPTIMIZERS
 from labkit.wire import entry
+from labkit.zoo.catalog import model as declared_model
+from labkit.zoo.catalog import model_names
 from labkit.zoo.configs import model_config
+
+if TYPE_CHECKING:  # the session is a layer above the runs it drives
+    from labkit.session import Session
 
 VARIES = ("seed", "lr")
 COMBINES = ("mean", "vote")
@@ -76,7 +82,7 @@ def _accuracy(choices, targets) -> float:
     return float((choices == targets).mean())
 
 
-def _vote(predictions: list, averaged) -> "numpy.ndarray":
+def vote(predictions: list, averaged) -> "numpy.ndarray":
     """The class most members chose at each position; ties go to the larger averaged probability."""
     classes = averaged.shape[-1]
     counts = sum(numpy.eye(classes, dtype=numpy.float64)[p.argmax(-1)] for p in predictions)
@@ -131,23 +137,24 @@ def combine_members(results: list[dict], model: str, vary: str, combine: str, ta
     predictions = [result["predictions"] for result in results]
     averaged = sum(predictions) / len(predictions)
     members = []
+    classifies = declared_model(model).classifies
     for result, prediction in zip(results, predictions):
-        if model == "gpt":
+        if classifies:
             score = _accuracy(prediction.argmax(-1), targets)
         else:
             score = float(((prediction - targets) ** 2).mean())
         members.append({"member": result["member"], "seed": result["seed"], "lr": result["lr"],
                         "rank": result["rank"], "loss": result["losses"][-1], "score": score})
-    if model == "gpt":
+    if classifies:
         ensemble = {"mean": _accuracy(averaged.argmax(-1), targets),
-                    "vote": _accuracy(_vote(predictions, averaged), targets)}
+                    "vote": _accuracy(vote(predictions, averaged), targets)}
     else:
         ensemble = {"mean": float(((averaged - targets) ** 2).mean())}
-    return EnsembleReport(model, vary, combine, members, "accuracy" if model == "gpt" else "mse", ensemble,
+    return EnsembleReport(model, vary, combine, members, "accuracy" if classifies else "mse", ensemble,
                           weights=[result["weights"] for result in results], tasks=tasks)
 
 
-def run_ensemble(session, model: str = "gpt", members: int = 4, steps: int = 30, vary: str = "seed",
+def run_ensemble(session: Session, model: str = "gpt", members: int = 4, steps: int = 30, vary: str = "seed",
                  combine: str = "mean", lr: float = 3e-3, seed: int = 0, global_batch: int = 32,
                  heldout_batches: int = 4, optimizer: str = "adamw", model_settings: dict | None = None,
                  timeout: float | None = None, retries: int | None = None, live: bool | None = None
@@ -155,9 +162,10 @@ def run_ensemble(session, model: str = "gpt", members: int = 4, steps: int = 30,
     """Train ``members`` models apart on the lab's ranks and combine them; see the module docstring."""
     if combine not in COMBINES:
         raise LabConfigError(f"combine is 'mean' (averaged probabilities) or 'vote' (majority), got {combine!r}")
-    if model == "mlp" and combine == "vote":
-        raise LabConfigError("the MLP is a regression: there is nothing to vote on. Use combine='mean', "
-                             "or model='gpt' (next-token classification)")
+    if combine == "vote" and not declared_model(model).classifies:
+        voters = [name for name in model_names() if declared_model(name).classifies]
+        raise LabConfigError(f"{model} is a regression: there is nothing to vote on. Use combine='mean', "
+                             f"or a model that classifies ({', '.join(voters)})")
     specs = member_specs(model, members, steps, vary, lr, seed, global_batch, heldout_batches, optimizer,
                          model_settings or {})
     tasks = run_tasks(session, entry.train_member, specs, timeout=timeout, retries=retries, live=live)

@@ -12,6 +12,8 @@ The steps lost are those since that checkpoint, no more.
 
 ``TrainingRun`` uses it by itself with ``auto_heal=True`` (at most
 ``max_restarts`` times); ``lab.heal()`` uses it after a run that failed without.
+The session keeps what it knows of the ranks' training in the records here: a
+``TrainingRecord`` of the state they hold, an ``Interrupted`` run to go on with.
 """
 
 from __future__ import annotations
@@ -19,13 +21,25 @@ from __future__ import annotations
 import glob
 import os
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from labkit.runs.checkpoints import find_checkpoint, is_complete, read_meta
 from labkit.spec.errors import LabConfigError, LabError
 from labkit.spec.train_config import TrainConfig
 
+if TYPE_CHECKING:  # the session is a layer above the runs it drives
+    from labkit.session import Session
 
 POSITION_CALL_SECONDS = 30.0  # asking the ranks where their training state stands
+
+
+@dataclass(frozen=True)
+class TrainingRecord:
+    """The notebook's note of the training state the ranks keep: which run, how far, on which group."""
+
+    config: TrainConfig
+    steps_done: int  # in all, over the run and its continuations
+    generation: int
 
 
 @dataclass(frozen=True)
@@ -41,7 +55,7 @@ class Interrupted:
     straggler_threshold: float
 
 
-def surviving_step(session) -> int | None:
+def surviving_step(session: Session) -> int | None:
     """After a failed run that cost no rank: the step at which every rank's training state stands, when
     all stopped at the same one outside an optimizer step (the run can be resumed from it); else None."""
     from labkit.wire import entry
@@ -58,17 +72,20 @@ def surviving_step(session) -> int | None:
 
 def has_checkpoint(config: TrainConfig) -> bool:
     directory = config.checkpoint_dir
-    return bool(directory) and any(is_complete(path) for path in glob.glob(os.path.join(directory, "step-*")))
+    if not directory:
+        return False
+    return any(is_complete(path) for path in glob.glob(os.path.join(directory, "step-*")))
 
 
-def continuation(session, config: TrainConfig, target_step: int, timeout: float) -> TrainConfig:
+def continuation(session: Session, config: TrainConfig, target_step: int, timeout: float) -> TrainConfig:
     """Load the newest checkpoint of ``config``'s run into the ranks; the run from there to ``target_step``."""
     from labkit.runs.checkpoints import load
 
-    if not has_checkpoint(config):
+    saved_in = config.checkpoint_dir
+    if not saved_in or not has_checkpoint(config):
         raise LabConfigError(f"the run saved no checkpoint to go back to (checkpoint_dir {config.checkpoint_dir!r}): "
                              "train again, with checkpoint_every and checkpoint_dir to survive failures")
-    directory = find_checkpoint(config.checkpoint_dir)
+    directory = find_checkpoint(saved_in)
     step = read_meta(directory)["step"]
     loaded = load(session, directory, timeout, mesh=dict(zip(config.mesh_names, config.mesh_shape)),
                   say=False, strategy=config.strategy)

@@ -1,4 +1,4 @@
-"""``lab.link`` and ``%lab link``: set, clear and show the simulated slow link between the ranks.
+"""``lab.link``: set, clear and show the simulated slow link between the ranks.
 
 The setting is checked here, before anything is sent (``spec.link.LinkSpec``
 parses it and holds the model). It then lives in two places that the session
@@ -8,30 +8,30 @@ restarted, gets the same link), and each rank's ``LinkState``
 (``labkit.rank.instruments.slow_link``), which delays its collectives. It is sent to idle
 ranks only: a training run in progress keeps the link it started with.
 
-Setting a link returns it (the notebook shows it); removing one says so. A wait
-the lab itself spends on the link (checking a new process group over it) is
-named once it lasts (``waiting_notice``), so a slow cell does not sit silent.
+Setting a link returns it (the notebook shows it, ``describe`` in a sentence);
+removing one says so. A wait the lab itself spends on the link (checking a new
+process group over it) is named once it lasts (``waiting_notice``), so a slow
+cell does not sit silent. ``%lab link`` reads its words in ``labkit.magics.link``
+and calls ``lab.link``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import re
 import threading
+from typing import TYPE_CHECKING
 
 from labkit.spec.errors import LabConfigError
-from labkit.spec.link import OFF_WORDS, LinkSpec
-from labkit.units import is_latency_text
+from labkit.spec.link import LinkSpec
 from labkit.wire import entry
 
-# A word that is only a number (its unit is the next word); a word with a time unit is a latency
-# (units.is_latency_text), anything else with a unit a bandwidth.
-_NUMBER = re.compile(r"^-?(\d+(\.\d*)?|\.\d+)$")
-LINK_USAGE = "write %lab link 100Mbit 20ms (bandwidth, latency, either may be left out), %lab link off, or %lab link"
+if TYPE_CHECKING:  # the session is a layer above the runs it drives
+    from labkit.session import Session
+
 NOTICE_AFTER_SECONDS = 1.0  # a wait shorter than this needs no words
 
 
-def set_link(session, bandwidth=..., latency=...) -> LinkSpec | None:
+def set_link(session: Session, bandwidth=..., latency=...) -> LinkSpec | None:
     """Give every rank the link (``...`` for both: change nothing); return the link now in place."""
     if bandwidth is ... and latency is ...:
         return session.link
@@ -65,7 +65,7 @@ def waiting_notice(link: LinkSpec | None, doing: str, after: float = NOTICE_AFTE
         timer.cancel()
 
 
-def _check_recoverable(spec: LinkSpec | None, session) -> None:
+def _check_recoverable(spec: LinkSpec | None, session: Session) -> None:
     """Refuse a link so slow that the lab could not rebuild its own process group over it.
 
     After a failure the ranks form a new group and check it with one small all-reduce, all
@@ -88,44 +88,3 @@ def describe(spec: LinkSpec | None, world_size: int) -> str:
     if spec is None:
         return "no simulated link: collectives run at this machine's speed"
     return f"{spec}; {spec.example(world_size)}"
-
-
-def parse_words(words: list[str]) -> tuple:
-    """``%lab link``'s words -> (bandwidth, latency) for ``set_link``; ``(..., ...)`` for none (show)."""
-    if not words:
-        return ..., ...
-    if len(words) == 1 and words[0].lower() in OFF_WORDS:
-        return None, None
-    tokens, pending = [], None
-    for word in words:  # "100 Mbit/s" and "20 ms" arrive as two words each
-        if pending is not None:
-            if _NUMBER.match(word):
-                raise LabConfigError(f"{pending!r} needs its unit, e.g. {pending}ms (latency) or "
-                                     f"{pending}Mbit (bandwidth): {LINK_USAGE}")
-            tokens.append(pending + word)
-            pending = None
-        elif _NUMBER.match(word):
-            pending = word
-        else:
-            tokens.append(word)
-    if pending is not None:
-        raise LabConfigError(f"{pending!r} needs its unit, e.g. {pending}ms (latency) or {pending}Mbit "
-                             f"(bandwidth): {LINK_USAGE}")
-    latencies = [token for token in tokens if is_latency_text(token)]
-    bandwidths = [token for token in tokens if not is_latency_text(token)]
-    if len(latencies) > 1 or len(bandwidths) > 1:
-        raise LabConfigError(f"give at most one bandwidth and one latency, got {' '.join(words)!r}: {LINK_USAGE}")
-    return (bandwidths[0] if bandwidths else None), (latencies[0] if latencies else None)
-
-
-def link_command(lab, words: list[str]) -> None:
-    """``%lab link [BANDWIDTH] [LATENCY] | off``: set it (or, alone, show it) and say what it does."""
-    from IPython.core.error import UsageError
-
-    try:
-        bandwidth, latency = parse_words(words)
-        spec = lab.link(bandwidth, latency)
-    except LabConfigError as error:
-        raise UsageError(f"%lab link: {error}") from None
-    if spec is not None or bandwidth is ...:  # a removal was said by lab.link itself
-        print(describe(spec, lab.world_size))

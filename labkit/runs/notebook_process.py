@@ -60,7 +60,8 @@ class NotebookProcess:
     def environment_changes(self) -> dict[str, str | None]:
         """{name: value} of the variables changed since the lab started; None for one unset since."""
         now = os.environ
-        changes = {name: value for name, value in now.items() if self.started_with.get(name) != value}
+        changes: dict[str, str | None] = {name: value for name, value in now.items()
+                                          if self.started_with.get(name) != value}
         changes.update({name: None for name in self.started_with if name not in now})
         return {name: changes[name] for name in sorted(changes) if carried(name)}
 

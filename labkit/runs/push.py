@@ -33,10 +33,15 @@ import re
 import sys
 import textwrap
 import types
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from labkit.runs.sources import notebook_sources
 from labkit.spec.errors import LabConfigError, format_ranks
 from labkit.wire import entry
+
+if TYPE_CHECKING:  # the session is a layer above the runs it drives
+    from labkit.session import Session
 
 NOTEBOOK_MODULE = "__main__"  # IPython defines a cell's functions and classes in this module
 # The names every rank's runtime sets: a push may not replace them (torch and dist: only by the same module).
@@ -118,7 +123,7 @@ def _class_node(lines: list[str], name: str, line: int | None):
         return None
     nodes = ast.walk(tree) if line is not None else tree.body
     found = [node for node in nodes if isinstance(node, ast.ClassDef) and node.name == name
-             and (line is None or _first_line(node) <= line <= node.end_lineno)]
+             and (line is None or _first_line(node) <= line <= (node.end_lineno or node.lineno))]
     return found[-1] if found else None
 
 
@@ -149,7 +154,7 @@ def class_statement(cls) -> tuple[str, list[str], str] | None:
     """(cell name, its lines, source) of the ``class`` statement that made ``cls``; the source keeps the
     cell's line numbers. A class with methods is found by their lines; one without, in the newest cell
     that defines a class of its name."""
-    places = _method_places(cls) or [(name, None) for name in _cells_newest_first()]
+    places: Sequence[tuple[str, int | None]] = _method_places(cls) or [(name, None) for name in _cells_newest_first()]
     for filename, line in places:
         lines = linecache.getlines(filename)
         node = _class_node(lines, cls.__name__, line)
@@ -239,14 +244,14 @@ def summary(said: list[tuple[str, str]], ranks: list[int], world_size: int) -> s
     return f"pushed to {where}: " + ", ".join(f"{name} ({how})" for name, how in said)
 
 
-def push_values(session, values: dict, ranks=None, timeout=None) -> None:
+def push_values(session: Session, values: dict, ranks=None, timeout=None) -> None:
     """Send ``values`` ({name: value}) into the namespaces of ``ranks`` (None: every rank); say what was sent."""
     items, sources, said = pack(values)  # refused here, before any rank is asked
     reports = session.execute(ranks, entry.push, (items, sources), timeout)
     print(summary(said, sorted(reports), session.world_size))
 
 
-def run_on(session, ranks, fn, args: tuple, kwargs: dict, timeout=None) -> list:
+def run_on(session: Session, ranks, fn, args: tuple, kwargs: dict, timeout=None) -> list:
     """``fn(*args, **kwargs)`` on ``ranks`` (None: every rank, as ``Session.run``); the results in rank order."""
     if ranks is None:
         return session.run(fn, *args, timeout=timeout, **kwargs)

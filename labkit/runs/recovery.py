@@ -14,8 +14,14 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from labkit.spec.errors import LabError, format_ranks
-from labkit.wire.schema import FailureKind
+from labkit.wire.schema import FailureKind, RankReport
+
+if TYPE_CHECKING:  # for annotations only: the session is a layer above, and this needs no work running
+    from labkit.runs.dispatch import RankWork
+    from labkit.session import Session
 
 
 def stale_reason(generation: int, replaced=(), dropped=(), joined: int = 0) -> str:
@@ -46,7 +52,7 @@ def unusable_note(held: dict[int, list[str]]) -> str:
             "every rank (run the cells that built them), or lab.load a checkpoint")
 
 
-def recover(session, work, reports: dict) -> str:
+def recover(session: Session, work: RankWork, reports: dict[int, RankReport]) -> str:
     """After failed work: bring the lab back for the next call; say what was done.
 
     A rank that died or was replaced costs the objects built on the groups (every rank's: the

@@ -5,9 +5,13 @@ from __future__ import annotations
 import html
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from labkit.runs.deadlock import describe_whereabouts
 from labkit.wire import entry
+
+if TYPE_CHECKING:  # the session is a layer above the runs it drives
+    from labkit.session import Session
 
 
 @dataclass(frozen=True)
@@ -38,7 +42,7 @@ class LabStatus:
     _COLUMNS = ("rank", "state", "host", "pid", "engine", "device", "threads", "group", "coordinate")
 
     def _rows(self) -> list[tuple[str, ...]]:
-        rows = []
+        rows: list[tuple[str, ...]] = []
         for row in self.ranks:
             rows.append(
                 (
@@ -113,7 +117,7 @@ class LabStatus:
         return f"<div><b>{html.escape(self.headline())}</b>{table}{doing}</div>"
 
 
-def collect_status(session, timeout: float) -> LabStatus:
+def collect_status(session: Session, timeout: float) -> LabStatus:
     """Ask every idle rank who it is (bounded by ``timeout``); while a run trains, ask nobody.
 
     Ranks busy with a cell (or ``lab.run``) would answer only when it ends: they are not asked, and

@@ -60,7 +60,7 @@ class TaskResults:
         """Tasks finished by each rank."""
         counts: dict[int, int] = {}
         for record in self.records:
-            if record.state == "done":
+            if record.state == "done" and record.rank is not None:  # (a task is done on the rank that reported it)
                 counts[record.rank] = counts.get(record.rank, 0) + 1
         return dict(sorted(counts.items()))
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 import pickle
 import signal
 import time
+from typing import TYPE_CHECKING
 
 from labkit.runs.recovery import stale_reason
 from labkit.runs.sources import notebook_sources
@@ -41,6 +42,12 @@ from labkit.runs.task_results import LOST, TaskFailed, TaskRecord, TaskResults, 
 from labkit.spec.errors import LabConfigError, LabError, format_ranks
 from labkit.views.task_board import TaskBoard
 from labkit.wire import entry
+
+if TYPE_CHECKING:
+    from ipyparallel import AsyncResult, Client, LoadBalancedView
+
+    from labkit.cluster.rank_cluster import RankCluster
+    from labkit.session import Session  # a layer above the runs it drives
 
 POLL_SECONDS = 0.05
 
@@ -61,23 +68,23 @@ def _check(fn, items, retries) -> list:
 class TaskQueue:
     """One ``lab.tasks`` call: submits, watches the ranks, requeues, collects."""
 
-    def __init__(self, session, fn, items, timeout: float, retries: int, live: bool | None) -> None:
+    def __init__(self, session: Session, fn, items, timeout: float, retries: int, live: bool | None) -> None:
         self.session = session
-        self.cluster = session.cluster
+        self.cluster: RankCluster = session.require_running()
         self.fn = fn
         self.items = items
         self.timeout = timeout
         self.retries = retries
         self.sources = notebook_sources(fn)
         self.records = [TaskRecord(index) for index in range(len(items))]
-        self.attempt: dict[int, object] = {}  # item index -> its current AsyncResult
+        self.attempt: dict[int, AsyncResult] = {}  # item index -> its current attempt
         self.events: list[str] = []
         self.replaced: set[int] = set()
         self.interrupted_at: dict[int, float] = {}  # rank -> when a timed-out task was interrupted
         # Engines of replaced ranks -> (rank, why): a task seen starting there later was lost with it.
         self.dead_engines: dict[int, tuple[int, str]] = {}
         self.board = TaskBoard(len(items), session.world_size, live=live)
-        self.view = None
+        self.view: LoadBalancedView | None = None
 
     # -- status, for session.claim ------------------------------------------
 
@@ -89,23 +96,28 @@ class TaskQueue:
     def stop(self) -> None:  # the lab is stopping: nothing more to do here
         self.done = True
 
-    def finished(self, timeout: float) -> bool:
+    def finished(self, timeout: float | None = None) -> bool:
         return True
 
     # -- the queue -----------------------------------------------------------
+
+    def _client(self) -> Client:
+        client = self.cluster.client
+        assert client is not None, "the lab runs (the session's ready() said so): it has its client"
+        return client
 
     def _wait_for_retired_engines(self, seconds: float = 5.0) -> None:
         """The scheduler sends work to every engine the controller still lists. A rank replaced just
         before (it died while idle) is listed until its heartbeats are missed (about 2 s): a task
         sent to it would wait out ipyparallel's grace before coming back. So wait for it to go."""
         deadline = time.monotonic() + seconds
-        while self.cluster.retired_engines & set(self.cluster.client.ids) and time.monotonic() < deadline:
+        while self.cluster.retired_engines & set(self._client().ids) and time.monotonic() < deadline:
             time.sleep(POLL_SECONDS)
 
     def _make_view(self) -> None:
         """A load-balanced view over the ranks' engines only: an engine that registered but is not a rank
         yet (a replacement being set up, a machine that joined) has no runtime to run a task."""
-        self.view = self.cluster.client.load_balanced_view(targets=sorted(self.cluster.engine_of.values()))
+        self.view = self._client().load_balanced_view(targets=sorted(self.cluster.engine_of.values()))
         self.view.retries = 0  # requeueing is ours: only after a lost rank, never after a raise
 
     def run(self) -> TaskResults:
@@ -139,6 +151,7 @@ class TaskQueue:
     def _submit(self, record: TaskRecord) -> None:
         record.attempts += 1
         record.state, record.rank, record.started = "pending", None, None
+        assert self.view is not None, "run() makes the view before it submits"
         self.attempt[record.index] = self.view.apply_async(
             entry.run_task, self.fn, self.items[record.index], self.sources, self.timeout)
 
@@ -161,9 +174,9 @@ class TaskQueue:
                     record.rank = rank
                     self._requeue(record, f"rank {rank} {why} while running it")
                     continue
-                rank = self._rank_of_engine(engine_id) if engine_id is not None else None
-                if rank is not None and record.state == "pending":
-                    record.state, record.rank, record.started = "running", rank, time.monotonic()
+                started_on = self._rank_of_engine(engine_id) if engine_id is not None else None
+                if started_on is not None and record.state == "pending":
+                    record.state, record.rank, record.started = "running", started_on, time.monotonic()
                 continue
             try:
                 report = result.get(0)
@@ -207,16 +220,19 @@ class TaskQueue:
                 broken[rank] = condition
         for record in self.records:
             # Past its time: interrupt the rank once, then replace it if it does not stop.
-            if record.state == "running" and record.started is not None and now - record.started > self.timeout:
-                first = self.interrupted_at.setdefault(record.rank, now)
+            held_by = record.rank  # a running task's rank is known
+            if record.state == "running" and held_by is not None and record.started is not None \
+                    and now - record.started > self.timeout:
+                first = self.interrupted_at.setdefault(held_by, now)
                 if first == now:
-                    self.cluster.signal([record.rank], signal.SIGINT)
+                    self.cluster.signal([held_by], signal.SIGINT)
                 elif now - first > self.session.interrupt_grace:
-                    broken.setdefault(record.rank, f"did not stop within {self.session.interrupt_grace:g} s "
+                    broken.setdefault(held_by, f"did not stop within {self.session.interrupt_grace:g} s "
                                                    f"of an interrupt after the task's {self.timeout:g} s")
         if not broken:
             return
-        lost = [record for record in self.records if record.state == "running" and record.rank in broken]
+        lost = [(record, held_by) for record in self.records
+                if record.state == "running" and (held_by := record.rank) is not None and held_by in broken]
         for rank in broken:
             if rank in self.cluster.engine_of:
                 self.dead_engines[self.cluster.engine_of[rank]] = (rank, broken[rank])
@@ -230,13 +246,13 @@ class TaskQueue:
         for rank, condition in sorted(broken.items()):
             self.events.append(f"rank {rank} {condition}: replaced, and it rejoined the pool")
             self.interrupted_at.pop(rank, None)
-        for record in lost:
+        for record, held_by in lost:
             if record.started is not None and now - record.started > self.timeout:
                 record.state = "failed"
                 record.error = {"type": "TimeoutError", "message": f"task took more than {self.timeout:g} s",
                                 "traceback": ""}
             else:
-                self._requeue(record, f"rank {record.rank} {broken[record.rank]} while running it")
+                self._requeue(record, f"rank {held_by} {broken[held_by]} while running it")
 
     def _withdraw(self) -> None:
         """Ctrl-C: withdraw waiting tasks, interrupt running ones, keep what finished."""
@@ -268,7 +284,7 @@ class TaskQueue:
                 record.state = "cancelled"
 
 
-def run_tasks(session, fn, items, timeout: float | None = None, retries: int | None = None,
+def run_tasks(session: Session, fn, items, timeout: float | None = None, retries: int | None = None,
               live: bool | None = None) -> TaskResults:
     """Run ``fn(item)`` for every item on whichever rank is idle; see the module docstring."""
     retries = session.world_size if retries is None else retries
@@ -289,7 +305,8 @@ def run_tasks(session, fn, items, timeout: float | None = None, retries: int | N
     failed = [record for record in results.records if record.state == "failed"]
     if failed:
         first = failed[0]
-        detail = first.error.get("traceback") or f"{first.error['type']}: {first.error['message']}"
+        error = first.error or {}  # a failed task has its error
+        detail = error.get("traceback") or f"{error['type']}: {error['message']}"
         raise TaskFailed(f"{len(failed)} of {len(results)} tasks failed (the others' results are in "
                          f"error.results); task {first.index} {on_rank(first)}:\n{detail}", results)
     return results

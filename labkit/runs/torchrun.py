@@ -44,7 +44,7 @@ class TorchrunFailed(RuntimeError):
     """torchrun exited with an error; the message ends with its own output."""
 
 
-def _exit_race_only(stderr: str) -> bool:
+def exit_race_only(stderr: str) -> bool:
     """Whether the launch failed only because workers aborted in the interpreter's shutdown race:
     each failed worker either aborted (SIGABRT) saying so, or was stopped by torchrun (SIGTERM),
     and no worker printed a Python error (the one traceback is torchrun's own report)."""
@@ -81,7 +81,7 @@ def torchrun(script, *args: str, nproc: int = 4, timeout: float = 240.0, env: di
         seconds = time.perf_counter() - began
         if finished.returncode == 0:
             return TorchrunResult(finished.stdout, finished.stderr, seconds, retried)
-        if attempt == 0 and _exit_race_only(finished.stderr):
+        if attempt == 0 and exit_race_only(finished.stderr):
             retried = ("a worker aborted in Python's shutdown after its work was done "
                        "(gloo's exit race, pytorch/pytorch#179291); launched again")
             continue

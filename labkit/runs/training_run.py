@@ -20,27 +20,34 @@ interrupt the kernel instead.
 from __future__ import annotations
 
 import threading
-from dataclasses import replace
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, cast
 
-from labkit.runs.budget import enforce_budget
 from labkit.runs.dispatch import RankWork, make_output
 from labkit.runs.healing import Interrupted, continuation, has_checkpoint, surviving_step
-from labkit.spec.errors import LabConfigError, LabError
-from labkit.spec.train_config import TrainConfig, resolve, resume_differences, user_settings
+from labkit.spec.errors import LabError
+from labkit.spec.train_config import TrainConfig
 from labkit.strategies.catalog import role_of
 from labkit.views.metrics import DEFAULT_THRESHOLD, MetricsTable
-from labkit.views.rank_output import in_kernel
-from labkit.views.stragglers import check_threshold
+from labkit.views.rank_output import LiveOutput, in_kernel
 from labkit.views.train_report import TrainReport
 from labkit.wire import entry
+from labkit.wire.schema import RankResult
+
+if TYPE_CHECKING:
+    from labkit.session import Session  # a layer above the runs it drives
+    from labkit.views.dashboard import Dashboard  # loads matplotlib and ipywidgets: only when a run has one
 
 STOP_GRACE_SECONDS = 15.0
 UI_EVENTS_PER_TICK = 10  # widget messages handled between two looks at the ranks (a click is one)
 STOP_HINT = "interrupt the kernel (■) to stop at a step boundary"
+# jupyter-ui-poll's ui_events: a context in which poll(n) handles up to n waiting widget messages.
+UiEvents = Callable[[], AbstractContextManager[Callable[[int], object]]]
 
 
 class TrainingRun:
-    def __init__(self, session, config, timeout: float, dashboard: bool, background: bool,
+    def __init__(self, session: Session, config: TrainConfig, timeout: float, dashboard: bool, background: bool,
                  straggler_threshold: float = DEFAULT_THRESHOLD) -> None:
         self.session = session
         self.config = config
@@ -55,16 +62,17 @@ class TrainingRun:
         self.straggler_threshold = straggler_threshold
         self.target_step = config.first_step + config.steps
         self.table = MetricsTable(session.world_size, config.global_batch, peers, threshold=straggler_threshold)
-        self.dashboard = None
+        self.dashboard: Dashboard | None = None
         # A foreground run blocks its cell: its Stop button works only if widget messages are handled meanwhile.
         self._ui_events = notebook_ui_events() if dashboard and not background else None
-        self._ui_poll = None  # while a foreground wait handles widget messages: the function that does it
+        # While a foreground wait handles widget messages: the function that does it.
+        self._ui_poll: Callable[[int], object] | None = None
         if dashboard:
-            from labkit.views.dashboard import Dashboard  # matplotlib and ipywidgets load with the first one
+            from labkit.views import dashboard as live  # matplotlib and ipywidgets load with the first one
 
             stoppable = background or self._ui_events is not None
-            self.dashboard = Dashboard(self.table, config.describe(), on_stop=self.stop if stoppable else None,
-                                       planned_steps=self.target_step, hint="" if stoppable else STOP_HINT)
+            self.dashboard = live.Dashboard(self.table, config.describe(), on_stop=self.stop if stoppable else None,
+                                            planned_steps=self.target_step, hint="" if stoppable else STOP_HINT)
         self.report: TrainReport | None = None
         self.error: BaseException | None = None
         self._done = threading.Event()
@@ -111,11 +119,17 @@ class TrainingRun:
             # dashboard, progress goes to its status line instead of growing the cell without end.
             output=make_output(ranks, live=False if self.background else None, show_values=False,
                                silent=self.background or self.dashboard is not None),
-            on_tick=self._tick,
+            on_tick=self.tick,
             on_interrupt=self._wind_down,
         )
 
-    def _tick(self, work: RankWork) -> None:
+    @property
+    def polling(self) -> bool:
+        """Whether a foreground wait handles widget messages now (its Stop button's clicks)."""
+        return self._ui_poll is not None
+
+    def tick(self, work: RankWork) -> None:
+        """One look at the ranks' work while it runs: merge the rows they published, redraw the dashboard."""
         for result in work.results.values():
             data = result.data if isinstance(result.data, dict) else {}
             self.table.merge(data.get("labkit_rows"))
@@ -138,6 +152,7 @@ class TrainingRun:
         try:
             while True:
                 work = self._work
+                assert work is not None, "_begin sends the work before anything waits for it"
                 reports = work.wait()
                 self.session.release(self)  # the ranks are free again: recovery below may use them
                 if not work.failed:
@@ -160,7 +175,8 @@ class TrainingRun:
                         self.dashboard is not None, self.timeout, self.straggler_threshold))
                     break
             if self.error is None:
-                results = [reports[rank]["value"] for rank in range(self.session.world_size)]
+                # What rank.entry.train returns on each rank: its RankResult.
+                results = [cast(RankResult, reports[rank]["value"]) for rank in range(self.session.world_size)]
                 for result in results:
                     self.table.merge_rows(result["rows"])
                 self.report = TrainReport(self.config, results, notes=tuple(self.heals))
@@ -235,6 +251,7 @@ class TrainingRun:
             raise LabError(f"the run is still going after {timeout:g} s; run.stop() ends it at the next step")
         if self.error is not None:
             raise self.error
+        assert self.report is not None, "a run that ended without an error made its report"
         return self.report
 
     def status(self) -> str:
@@ -267,7 +284,7 @@ class TrainingRun:
                 handle.update({"text/plain": repr(self)}, raw=True)
 
 
-def notebook_ui_events():
+def notebook_ui_events() -> UiEvents | None:
     """jupyter-ui-poll's ``ui_events`` where a blocked cell can handle widget messages with it; else None.
 
     Outside a Jupyter kernel (a script, a test, a terminal IPython) there are no widget messages: the run waits
@@ -289,10 +306,11 @@ def pollable_kernel() -> bool:
         from ipykernel import version_info
     except ImportError:
         return False
-    return version_info[0] < 7
+    major = version_info[0]  # ipykernel declares its parts as objects; the major is an int
+    return isinstance(major, int) and major < 7
 
 
-def _newest_line(output) -> str:
+def _newest_line(output: LiveOutput | None) -> str:
     """The last line the lowest-numbered rank that printed anything printed, labelled (``[rank 0] ...``)."""
     texts = getattr(output, "texts", None)
     if texts is None:
@@ -302,95 +320,3 @@ def _newest_line(output) -> str:
         if lines:
             return f"[rank {rank}] {lines[-1]}"
     return ""
-
-
-def _continuation(session, settings: dict, mesh) -> tuple[dict, dict | None, int]:
-    """Settings, mesh and first step of ``resume=True``: the last run's, with what was given changed."""
-    record = session.last_training
-    if record is None:
-        raise LabConfigError(
-            "there is no training run to resume: the lab has not trained since it started, or its ranks formed "
-            "a new world since (a rank was replaced, or the lab restarted), or the last run was cut inside an "
-            "optimizer step or left the ranks at different steps. Train without resume=True to start afresh."
-        )
-    before = record.config
-    kept = {name: value for name, value in before.as_dict().items() if name in user_settings()}
-    given = {name: value for name, value in settings.items() if value is not None}
-    if given.get("strategy", before.strategy) == before.strategy:
-        kept.update(before.options)  # (another strategy is refused below, saying so)
-    mesh = mesh or dict(zip(before.mesh_names, before.mesh_shape))
-    return {**kept, **given}, mesh, record.steps_done
-
-
-def resolve_run(session, settings: dict, mesh, resume: bool = False) -> TrainConfig:
-    """The checked ``TrainConfig`` of a run (a continuation of the last one with ``resume``)."""
-    first_step = 0
-    if resume:
-        settings, mesh, first_step = _continuation(session, settings, mesh)
-    else:  # what was not given takes TrainConfig's and the catalog's defaults
-        settings = {name: value for name, value in settings.items() if value is not None}
-    try:
-        config = resolve(session.world_size, mesh=mesh, lab_mesh=session.mesh_spec, **settings)
-    except LabConfigError:
-        raise
-    except (ValueError, TypeError) as error:
-        raise LabConfigError(str(error)) from None
-    if resume:
-        config = replace(config, first_step=first_step)
-        differences = resume_differences(session.last_training.config, config)
-        if differences:
-            raise LabConfigError(f"resume continues the last run, so only its length and reporting may change: "
-                                 f"{'; '.join(differences)}. Train without resume=True for a new run.")
-    return config
-
-
-def launch_training(session, settings: dict, mesh, timeout: float, dashboard: bool, background: bool,
-                    straggler_threshold: float, resume: bool = False) -> TrainingRun:
-    """``Lab.train``'s work: check everything, enforce the memory budget, start the run."""
-    try:
-        straggler_threshold = check_threshold(straggler_threshold)
-    except ValueError as error:
-        raise LabConfigError(str(error)) from None
-    config = resolve_run(session, settings, mesh, resume)
-    if config.tf32 and session.plan.device_type != "cuda":
-        raise LabConfigError("tf32 switches NVIDIA GPUs' matrix units to TensorFloat-32; this lab's ranks run on CPU "
-                             "(gloo), where it would change nothing: drop tf32, or start the lab with backend='nccl'")
-    session.ready()
-    if config.mesh_reason != "given":
-        print(f"{config.strategy} without a mesh: using {config.mesh.describe()}, {config.mesh_reason}")
-    if config.batch_note and not resume:
-        print(f"{config.strategy} on {session.world_size} ranks: {config.batch_note}")
-    if config.max_memory is not None and not resume:
-        enforce_budget(session, config)
-    run = TrainingRun(session, config, timeout, dashboard=dashboard, background=background,
-                      straggler_threshold=straggler_threshold)
-    session.claim(run)
-    try:
-        return run.start()
-    except BaseException:
-        session.release(run)  # a run that never started must not leave the lab busy
-        raise
-
-
-def heal_and_go_on(session):
-    """``lab.heal()``: replace broken ranks; if the last run failed and saved checkpoints, finish it
-    from the newest one, watched as it was. Returns the run (background), its report, or None."""
-    session.require_idle()  # a run still going heals itself (auto_heal) or fails first
-    note = session.heal()
-    interrupted = session.interrupted
-    if interrupted is None or not has_checkpoint(interrupted.config):
-        if note is None:
-            print("labkit: every rank is working, and no failed run with checkpoints is waiting to go on")
-        return None
-    config = continuation(session, interrupted.config, interrupted.target_step, interrupted.timeout)
-    print(f"labkit: going on from the checkpoint at step {config.first_step} to step {interrupted.target_step}",
-          flush=True)
-    run = TrainingRun(session, config, interrupted.timeout, dashboard=interrupted.dashboard,
-                      background=interrupted.background, straggler_threshold=interrupted.straggler_threshold)
-    session.claim(run)
-    try:
-        run.start()
-    except BaseException:
-        session.release(run)
-        raise
-    return run if interrupted.background else run.wait()

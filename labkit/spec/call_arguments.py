@@ -18,15 +18,15 @@ def chosen_ranks(ranks, world_size: int) -> list[int]:
         return list(range(world_size))
     given = [ranks] if isinstance(ranks, int) and not isinstance(ranks, bool) else ranks
     try:
-        given = list(given)
+        listed = list(given)
     except TypeError:
-        given = None
-    wrong = given is None or not given or any(isinstance(rank, bool) or not isinstance(rank, int)
-                                              or not 0 <= rank < world_size for rank in given)
+        listed = []  # not a list of ranks: refused below, as an empty one is
+    wrong = not listed or any(isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size
+                              for rank in listed)
     if wrong:
         raise LabConfigError(f"ranks is a rank number or a list of them, each between 0 and {world_size - 1}, "
                              f"got {ranks!r}")
-    return sorted(set(given))
+    return sorted(set(listed))
 
 
 def check_seed(value, same, world_size: int) -> None:

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
+from collections.abc import Mapping
 
 from labkit.spec.error_text import comparable, group_alike
-from labkit.wire.schema import FailureKind
+from labkit.wire.schema import ErrorInfo, FailureKind, RankReport
 
 
 class ShortTraceback:
@@ -116,13 +117,15 @@ def _headline(line: str) -> str:
     return line
 
 
-def _raised_parts(raised: dict[int, dict]) -> list[str]:
+def _raised_parts(raised: dict[int, ErrorInfo]) -> list[str]:
     """'ranks 0, 2 raised ValueError: boom' per distinct (type, first line), in rank order."""
-    causes = {}  # (type, first line as compared) -> [type, the lowest rank's headline, ranks]
+    # (type, first line as compared) -> (type, the lowest rank's headline, ranks)
+    by_cause: dict[tuple[str, str], tuple[str, str, list[int]]] = {}
     for rank, error in raised.items():
         line = _first_line(error.get("message", ""))
-        causes.setdefault((error["type"], comparable(line, rank)), [error["type"], _headline(line), []])[2].append(rank)
-    causes = list(causes.values())
+        cause = by_cause.setdefault((error["type"], comparable(line, rank)), (error["type"], _headline(line), []))
+        cause[2].append(rank)
+    causes = list(by_cause.values())
     # Ranks that each word their error differently (a rank number in it) would
     # make the summary a paragraph: beyond a few, fold them into one part per type.
     folded = defaultdict(list)
@@ -145,7 +148,7 @@ def _were(ranks) -> str:
 _CONSEQUENCE_MARKERS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
 
 
-def _is_consequence(error: dict) -> bool:
+def _is_consequence(error: ErrorInfo) -> bool:
     return any(marker in (error.get("message") or "") for marker in _CONSEQUENCE_MARKERS)
 
 
@@ -154,7 +157,7 @@ class RankFailure(LabError):
 
     def __init__(
         self,
-        reports: dict[int, dict],
+        reports: Mapping[int, RankReport],
         timed_out: bool = False,
         timeout_seconds: float | None = None,
         interrupted: bool = False,
@@ -178,7 +181,7 @@ class RankFailure(LabError):
 
     # -- grouping -------------------------------------------------------------
 
-    def _errors(self, kind: str) -> dict[int, dict]:
+    def _errors(self, kind: str) -> dict[int, ErrorInfo]:
         return {
             rank: report["error"]
             for rank, report in self.reports.items()
@@ -186,7 +189,7 @@ class RankFailure(LabError):
         }
 
     @property
-    def _echoes(self) -> dict[int, dict]:
+    def _echoes(self) -> dict[int, ErrorInfo]:
         """Ranks that raised only "connection closed/reset by peer" while another rank failed on its own:
         told as released by that failure, not as causes."""
         raised = self._errors(FailureKind.RAISED)
@@ -196,7 +199,7 @@ class RankFailure(LabError):
         return echoes if others else {}
 
     @property
-    def raised(self) -> dict[int, dict]:
+    def raised(self) -> dict[int, ErrorInfo]:
         echoes = self._echoes
         return {rank: error for rank, error in self._errors(FailureKind.RAISED).items() if rank not in echoes}
 
@@ -218,16 +221,16 @@ class RankFailure(LabError):
         return []
 
     @property
-    def hung(self) -> dict[int, dict]:
+    def hung(self) -> dict[int, ErrorInfo]:
         """Ranks the notebook had to interrupt (or replace) to get them back."""
         return self._errors(FailureKind.INTERRUPTED)
 
     @property
-    def released(self) -> dict[int, dict]:
+    def released(self) -> dict[int, ErrorInfo]:
         return dict(sorted({**self._errors(FailureKind.COLLECTIVE), **self._echoes}.items()))
 
     @property
-    def died(self) -> dict[int, dict]:
+    def died(self) -> dict[int, ErrorInfo]:
         return self._errors(FailureKind.DIED)
 
     @property

@@ -1,1 +1,6 @@
-"""Ways of splitting the work. ``catalog`` declares them (no torch); one module each applies one."""
+"""Ways of splitting the work: one module per strategy, its declaration (no torch) beside its ``apply``.
+
+``catalog`` says how a strategy is declared and finds the installed ones (the
+built-ins and any package's, by entry points); ``rank_side`` types what a
+strategy's module offers the ranks; ``compose`` composes the parts on a rank.
+"""

@@ -1,44 +1,62 @@
-"""The strategy catalog: the one place where a way of splitting the work is declared.
+"""The strategy catalog: how a way of splitting the work is declared, and the ones this process knows.
 
-Each entry says, without torch: its name, the mesh axis it uses, where it is
-applied in a composition, its settings with their defaults and the
+A strategy is one module: its declaration, a ``Strategy`` named ``STRATEGY``,
+beside its rank side, ``apply`` (``strategies.rank_side.StrategyModule``). The
+module is named by an entry point of the ``labkit.strategies`` group
+(``labkit.zoo.plugins``): labkit's own ``pyproject.toml`` names the built-ins
+(``ddp = "labkit.strategies.ddp:STRATEGY"``), a package of yours names yours,
+and both are found the same way, in the notebook and on every rank, with no
+call. A declaration module loads without torch (its ``apply`` imports torch
+when it runs, on the ranks), so the notebook reads every declaration.
+
+A declaration says, without torch: its name, the mesh axis it uses, where it
+is applied in a composition, its settings with their defaults and the
 ``%lab train`` option for each, how to check a run before any rank works, and
-whether it divides memory (so a refused memory budget may suggest it). Config
+what the lab's generic code must know of it (whether it divides memory, gives
+ranks roles, splits the batch its own way, keeps checkpoints, ...). Config
 checks (``spec.train_config``), budget refusals (``runs.budget``), the magics'
-options, the tests and the benchmarks all read this table.
+options, the tests and the benchmarks all read these declarations; none of
+them names a strategy.
 
-The rank side of an entry is its module (``labkit.strategies.<name>``), loaded
-on the ranks only, with one function::
-
-    apply(composition, axis_mesh, config) -> None
-
-It changes ``composition`` (``strategies.compose.Composition``): it may shard or
-wrap the model, add a gradient synchronisation to run after backward, wrap the
-optimizer step (a context manager around ``optimizer.step()``, where DiLoCo's
-outer step or a parameter server's push and pull go), or give ranks roles (for
-example ``server`` and ``worker``) with a loop of their own. A new strategy is
-its module plus one ``Strategy`` below.
+``apply(composition, axis_mesh, config)`` changes ``composition``
+(``strategies.compose.Composition``): it may shard or wrap the model, add a
+gradient synchronisation to run after backward, wrap the optimizer step (a
+context manager around ``optimizer.step()``, where DiLoCo's outer step or a
+parameter server's push and pull go), or give ranks roles (for example
+``server`` and ``worker``) with a loop of their own.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field, replace
+from importlib.metadata import EntryPoint
+from itertools import combinations
+from typing import TYPE_CHECKING, Any, Callable, Generic, TypeVar
+
+from labkit.zoo.plugins import PluginError, PluginGroup
+
+if TYPE_CHECKING:
+    from labkit.spec.train_config import TrainConfig
 
 # Outermost first: tp innermost keeps its groups on neighbouring ranks; replicas that talk
 # rarely (DiLoCo) outermost, so the ranks of one replica are neighbours.
 AXIS_ORDER = ("replica", "pp", "dp", "tp")
 DATA_AXES = ("replica", "dp")  # the global batch is split over these (unless a strategy says otherwise)
 
+T = TypeVar("T")
+
 
 @dataclass(frozen=True)
-class Setting:
-    """One setting a strategy adds to ``lab.train`` (and to ``%lab train`` as ``flag``)."""
+class Setting(Generic[T]):
+    """One setting a strategy adds to ``lab.train`` (and to ``%lab train`` as ``flag``).
+
+    Its value in a run is ``config.setting(SETTING)``, typed as its default is."""
 
     name: str
-    default: Any
+    default: T
     help: str
-    choices: tuple = ()
+    choices: tuple[T, ...] = ()
     flag: str | None = None  # default: --name-with-dashes; a True default gets --no-... instead
     minimum: float | None = None  # numbers: the least value allowed (default: 1 for integers, above 0 for floats)
     below: float | None = None  # numbers: values must stay under this
@@ -50,9 +68,10 @@ class Setting:
         words = self.name.replace("_", "-")
         return f"--no-{words}" if self.default is True else f"--{words}"
 
-    def check(self, value, strategy: str) -> None:
+    def check(self, value: object, strategy: str) -> None:
         if self.choices and value not in self.choices:
-            raise ValueError(f"unknown {self.name} {value!r} for {strategy}: choose {' or '.join(self.choices)}")
+            raise ValueError(f"unknown {self.name} {value!r} for {strategy}: choose "
+                             f"{' or '.join(map(str, self.choices))}")
         if isinstance(self.default, bool) and not isinstance(value, bool):
             raise ValueError(f"{self.name} ({strategy}) is True or False, got {value!r}")
         if type(self.default) is int:
@@ -76,204 +95,181 @@ class Strategy:
     """One way of splitting the work; see the module docstring for the rank side."""
 
     name: str
-    axis: str
+    axis: str  # one of AXIS_ORDER
     order: int  # position when composed on a rank: lower first
     summary: str
-    settings: tuple[Setting, ...] = ()
+    settings: tuple[Setting[Any], ...] = ()
     shards_memory: bool = False  # divides parameters, gradients and optimizer state over its axis
     # Torch-free checks of a resolved config using this strategy; raise ValueError with the reason.
-    check: Callable[[Any], None] | None = None
+    check: Callable[[TrainConfig], None] | None = None
     # Defaults that depend on the mesh (pipeline microbatches; a batch the ps workers divide), filled
-    # before the checks for the general settings the user did not give.
-    defaults: Callable[[Any], dict] | None = None
-    # Each rank's role under this strategy (None: every rank trains the same way).
-    roles: Callable[[Any, int], str] | None = None
+    # before the checks for the general settings the user did not give: setting name -> value.
+    defaults: Callable[[TrainConfig], dict[str, int]] | None = None
+    # Each rank's role under this strategy, given the rank (None: every rank trains the same way).
+    roles: Callable[[TrainConfig, int], str] | None = None
     # Into how many equal parts the global batch is split (None: the product of the data axes).
-    data_parts: Callable[[Any], int] | None = None
+    data_parts: Callable[[TrainConfig], int] | None = None
     alone: bool = False  # runs by itself only, never in a composition (its ranks have roles of their own)
     no_checkpoints: str = ""  # why its training state cannot be checkpointed yet ("": it can)
     state_copies: int = 0  # copies of each rank's parameters it keeps beside the optimizer (memory estimate)
-    module: str = field(default="")
+    # Only one rank along its axis computes the loss (a pipeline's last stage); else every rank of the
+    # axis computes the same loss, and the first one prints the progress lines.
+    loss_on_one_rank: bool = False
+    over_budget: str = ""  # said when it alone exceeds the memory budget (why more ranks would not help)
+    list_position: int = 100  # where it stands in lists and messages: lower first (then by name)
+    # Its module, where ``apply`` is (default: the one its entry point names). Not part of what makes
+    # two declarations the same: the one a module declares equals the one found through its entry point.
+    module: str = field(default="", compare=False)
 
     @property
     def module_name(self) -> str:
         return self.module or f"labkit.strategies.{self.name}"
 
 
-def _check_pp(config) -> None:
-    pp = config.axis("pp")
-    config.model_config.check_stages(pp)
-    if config.schedule == "1f1b" and config.micro_batches < pp:
-        raise ValueError(f"1F1B needs at least as many microbatches as stages: micro_batches >= {pp}")
+def _checked(entry: Strategy, point: EntryPoint) -> Strategy:
+    """An installed declaration, checked, and told which module holds its ``apply``."""
+    if entry.axis not in AXIS_ORDER:
+        raise PluginError(f"strategy {entry.name!r} ({point.value}): axis {entry.axis!r} is not one of "
+                          f"{', '.join(AXIS_ORDER)}")
+    return entry if entry.module else replace(entry, module=point.module)
 
 
-def _check_tp(config) -> None:
-    config.model_config.check_tp(config.axis("tp"), config.sequence_parallel, stages=config.axis("pp"))
-
-
-def _ps_workers(config) -> int:
-    # At least 1, so the general checks that divide by it run before _check_ps refuses a run without workers.
-    return max(1, config.axis("dp") - config.servers)
-
-
-def _ps_defaults(config) -> dict:
-    # The general default batch (32) rarely splits over 3 workers: without a batch given, the nearest
-    # multiple of the workers (x microbatches) not above it, so the defaults alone run (32 -> 30 for 3).
-    unit = _ps_workers(config) * (config.micro_batches or 1)
-    return {"global_batch": max(unit, config.global_batch // unit * unit)}
-
-
-def _check_ps(config) -> None:
-    ranks = config.axis("dp")
-    if config.servers >= ranks:
-        raise ValueError(f"ps with servers={config.servers} on {ranks} ranks leaves no worker: ranks "
-                         f"[0, servers) serve, the others compute gradients; use servers <= {ranks - 1}")
-    if config.verify and config.staleness:
-        raise ValueError(f"verify=True compares with single-process training, which ps with staleness="
-                         f"{config.staleness} cannot equal: asynchronous updates are applied in the order they "
-                         f"arrive, so there is nothing deterministic to compare with. Verify with staleness=0 "
-                         f"(synchronous), or train without verify")
-
-
-CATALOG: dict[str, Strategy] = {
-    entry.name: entry
-    for entry in (
-        Strategy(
-            "ddp", axis="dp", order=2,
-            summary="data parallel: a whole model per rank, gradients averaged (torch DDP)",
-            settings=(Setting("bucket_cap_mb", 25.0, "DDP gradient bucket size, MB"),),
-        ),
-        Strategy(
-            "fsdp", axis="dp", order=2, shards_memory=True,
-            summary="fully sharded data parallel: parameters, gradients and optimizer state sharded (FSDP2)",
-            settings=(Setting("reshard_after_forward", True, "FSDP: free gathered parameters after forward",
-                              flag="--no-reshard"),),
-        ),
-        Strategy(
-            "tp", axis="tp", order=0, shards_memory=True, check=_check_tp,
-            summary="tensor parallel: layers split over ranks (DTensor)",
-            settings=(Setting("sequence_parallel", False, "TP: shard norms and residuals by sequence"),),
-        ),
-        Strategy(
-            "pp", axis="pp", order=1, shards_memory=True, check=_check_pp,
-            defaults=lambda config: {"micro_batches": config.axis("pp")},
-            summary="pipeline parallel: stages of layers, microbatches in flight (torch.distributed.pipelining)",
-            settings=(Setting("schedule", "1f1b", "pipeline schedule", choices=("gpipe", "1f1b")),),
-        ),
-        Strategy(
-            "ps", axis="dp", order=2, alone=True, check=_check_ps, defaults=_ps_defaults, data_parts=_ps_workers,
-            roles=lambda config, rank: "server" if rank < config.servers else "worker",
-            no_checkpoints="its state is split by role (servers hold flat shards of the weights and the "
-                           "optimizer, workers a copy of the model) and no checkpoint layout maps it back to "
-                           "parameters by name; continue a run with resume=True instead",
-            summary="parameter server: servers hold the weights and the optimizer, workers push gradients and "
-                    "pull weights (staleness > 0: asynchronous, bounded)",
-            settings=(Setting("servers", 1, "ps: ranks that hold the weights (the first ones); the rest are workers"),
-                      Setting("staleness", 0, "ps: 0 synchronous; k > 0 asynchronous, a worker at most k pushes "
-                                              "ahead of the slowest", minimum=0)),
-        ),
-        Strategy(
-            # Last (order 3): the outer step works on the final, possibly sharded, parameters.
-            "diloco", axis="replica", order=3, state_copies=2,  # the global copy and its outer momentum
-            summary="DiLoCo: replicas take inner_steps optimizer steps alone, then an outer Nesterov step on "
-                    "their averaged parameter change",
-            settings=(Setting("inner_steps", 10, "DiLoCo: inner optimizer steps between outer steps (H)"),
-                      Setting("outer_lr", 0.7, "DiLoCo: outer learning rate"),
-                      Setting("outer_momentum", 0.9, "DiLoCo: outer Nesterov momentum (0: plain SGD)",
-                              minimum=0.0, below=1.0)),
-        ),
-    )
-}
+# What is installed is the process's own: one reader per process, as ``importlib`` keeps one module table.
+_STRATEGIES: PluginGroup[Strategy] = PluginGroup("labkit.strategies", "strategy", Strategy, prepare=_checked)
 
 
 def strategy(name: str) -> Strategy:
-    return CATALOG[name]
+    """The declaration of strategy ``name`` (PluginError, a ValueError, naming the known ones if none)."""
+    return _STRATEGIES.get(name)
+
+
+def strategies() -> dict[str, Strategy]:
+    """Every strategy this process knows, by name, in list order."""
+    return _STRATEGIES.all()
+
+
+def strategy_names() -> tuple[str, ...]:
+    return _STRATEGIES.names()
+
+
+class _Catalog(Mapping[str, Strategy]):
+    """Every strategy by name, read-only, as ``strategies()`` finds them when asked."""
+
+    def __getitem__(self, name: str) -> Strategy:
+        if not isinstance(name, str) or not _STRATEGIES.knows(name):
+            raise KeyError(name)
+        return _STRATEGIES.get(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(strategy_names())
+
+    def __len__(self) -> int:
+        return len(strategy_names())
+
+
+CATALOG: Mapping[str, Strategy] = _Catalog()  # the catalog's older spelling: a view, it holds nothing itself
 
 
 def register(entry: Strategy) -> None:
-    """Add a strategy from outside labkit (a plugin, a workshop exercise, a test).
+    """Use a strategy declared in a running notebook, in this process (a lesson, a first try).
 
-    It must be registered wherever it is used: in the notebook, and on the ranks
-    (``lab.run(register, entry)``). Its module must be importable on the ranks."""
+    An installed package needs no call. One added this way must be added on the
+    ranks too (``lab.run(register, entry)``), and its module (``module=__name__``)
+    importable there; ``unregister`` forgets it."""
     if entry.axis not in AXIS_ORDER:
         raise ValueError(f"strategy {entry.name!r}: axis {entry.axis!r} is not one of {', '.join(AXIS_ORDER)}")
-    known = CATALOG.get(entry.name)
-    if known is not None and known != entry:
+    if _STRATEGIES.knows(entry.name) and strategy(entry.name) != entry:
         raise ValueError(f"a different strategy is already called {entry.name!r}")
     taken = {name for name, (owner, _) in settings_by_name().items() if owner != entry.name}
     clashes = sorted(taken & {setting.name for setting in entry.settings})
     if clashes:
         raise ValueError(f"strategy {entry.name!r}: settings {', '.join(clashes)} belong to other strategies")
-    CATALOG[entry.name] = entry
+    _STRATEGIES.add(entry)
 
 
-def parse_strategy(text) -> tuple[str, ...]:
+def unregister(name: str) -> None:
+    """Forget a strategy ``register`` added in this process (an installed one stays: uninstall its package)."""
+    _STRATEGIES.remove(name)
+
+
+def refresh_strategies() -> None:
+    """Read the installed packages again on the next question (after one was uninstalled)."""
+    _STRATEGIES.refresh()
+
+
+def parse_strategy(text: object) -> tuple[str, ...]:
     """``"fsdp+tp"`` -> ("fsdp", "tp"); unknown names, repeats and two parts on one axis are refused."""
     if not isinstance(text, str):
         raise ValueError(f"a strategy is a name such as 'ddp' or 'fsdp+tp', got {text!r}")
     parts = tuple(part.strip().lower() for part in text.split("+") if part.strip())
-    unknown = [part for part in parts if part not in CATALOG]
+    unknown = [part for part in parts if not _STRATEGIES.knows(part)]
     if not parts or unknown:
-        raise ValueError(
-            f"unknown strategy {text!r}: use {', '.join(CATALOG)} or a composition such as fsdp+tp, ddp+pp, pp+tp"
-        )
+        raise PluginError(f"unknown strategy {text!r}: use {', '.join(strategy_names())} or a composition such as "
+                         f"fsdp+tp, ddp+pp, pp+tp. {_STRATEGIES.install_hint()}")
     if len(set(parts)) != len(parts):
         raise ValueError(f"strategy {text!r} names a part twice")
-    lonely = [part for part in parts if CATALOG[part].alone]
+    entries = [strategy(part) for part in parts]
+    lonely = [entry for entry in entries if entry.alone]
     if lonely and len(parts) > 1:
-        raise ValueError(f"{lonely[0]} runs alone ({CATALOG[lonely[0]].summary}): train with strategy {lonely[0]!r}")
-    axes = [CATALOG[part].axis for part in parts]
-    for axis in set(axes):
-        sharing = [part for part in parts if CATALOG[part].axis == axis]
+        raise ValueError(f"{lonely[0].name} runs alone ({lonely[0].summary}): train with strategy "
+                         f"{lonely[0].name!r}")
+    for axis in {entry.axis for entry in entries}:
+        sharing = [entry.name for entry in entries if entry.axis == axis]
         if len(sharing) > 1:
             raise ValueError(f"{' and '.join(sharing)} both use the {axis} axis: choose one of them")
     return parts
 
 
-def axes_of(parts) -> list[str]:
+def axes_of(parts: tuple[str, ...] | list[str]) -> list[str]:
     """The mesh axes a composition needs, outermost first."""
-    return sorted({CATALOG[part].axis for part in parts}, key=AXIS_ORDER.index)
+    return sorted({strategy(part).axis for part in parts}, key=AXIS_ORDER.index)
 
 
-def settings_by_name() -> dict[str, tuple[str, Setting]]:
-    """Every strategy setting: name -> (owning strategy, setting)."""
-    return {setting.name: (entry.name, setting) for entry in CATALOG.values() for setting in entry.settings}
+def settings_by_name() -> dict[str, tuple[str, Setting[Any]]]:
+    """Every strategy setting: name -> (owning strategy, setting); two strategies sharing a name are refused."""
+    found: dict[str, tuple[str, Setting[Any]]] = {}
+    for entry in strategies().values():
+        for setting in entry.settings:
+            if setting.name in found and found[setting.name][0] != entry.name:
+                raise PluginError(f"strategies {found[setting.name][0]!r} and {entry.name!r} both have a setting "
+                                  f"{setting.name!r}: uninstall one, or rename the setting in one of them")
+            found[setting.name] = (entry.name, setting)
+    return found
 
 
 def sharding_alternatives() -> tuple[str, ...]:
     """Single strategies that divide memory: what a refused budget may suggest."""
-    return tuple(name for name, entry in CATALOG.items() if entry.shards_memory)
+    return tuple(name for name, entry in strategies().items() if entry.shards_memory)
 
 
 def compositions(world_size: int) -> tuple[str, ...]:
     """Every strategy and composition a lab of ``world_size`` ranks can run: one part per axis, and
     at least 2 ranks on each axis (the tests and benchmarks run them all)."""
-    from itertools import combinations
-
+    known = strategies()
     found = []
     for count in range(1, len(AXIS_ORDER) + 1):
         if 2**count > world_size and count > 1:
             break
-        for parts in combinations(CATALOG, count):
-            if count > 1 and any(CATALOG[part].alone for part in parts):
+        for parts in combinations(known, count):
+            if count > 1 and any(known[part].alone for part in parts):
                 continue
-            if len({CATALOG[part].axis for part in parts}) == count:
-                found.append("+".join(sorted(parts, key=lambda part: (CATALOG[part].order != 2, part))))
+            if len({known[part].axis for part in parts}) == count:
+                found.append("+".join(sorted(parts, key=lambda part: (known[part].order != 2, part))))
     return tuple(found)
 
 
-def checkpoint_refusal(parts) -> str | None:
+def checkpoint_refusal(parts: tuple[str, ...] | list[str]) -> str | None:
     """Why a run of these parts cannot save or load checkpoints, in words; None when it can."""
     for part in parts:
-        if CATALOG[part].no_checkpoints:
-            return f"{part} keeps no checkpoints yet: {CATALOG[part].no_checkpoints}"
+        if strategy(part).no_checkpoints:
+            return f"{part} keeps no checkpoints yet: {strategy(part).no_checkpoints}"
     return None
 
 
-def role_of(parts, config, rank: int) -> str:
+def role_of(parts: tuple[str, ...] | list[str], config: TrainConfig, rank: int) -> str:
     """This rank's role in a composition: the first part that assigns roles decides; else 'trainer'."""
     for part in parts:
-        entry = CATALOG[part]
+        entry = strategy(part)
         if entry.roles is not None:
             return entry.roles(config, rank)
     return "trainer"

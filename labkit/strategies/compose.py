@@ -1,13 +1,20 @@
-"""Every catalog strategy composed on a rank, in the catalog's order, into one ``ParallelModel``.
+"""Every part of a strategy composed on a rank, in the declared order, into one ``ParallelModel``.
 
 ``parallelize(model, mesh, config, ...)`` builds a ``Composition`` and hands it
-to each part's ``apply(composition, axis_mesh, config)`` (``labkit.strategies.<name>``),
-lowest catalog ``order`` first: tensor parallelism shards layers, pipeline
-parallelism keeps this rank's stage, data parallelism (DDP or FSDP2) wraps what
-is left. A part may replace the model, add a gradient synchronisation to run
-after backward, wrap the optimizer step, leave work for after every part has
-applied (the pipeline's runner needs the final model), give this rank a role,
-or keep state of its own that checkpoints carry (``extra_state``: DiLoCo's).
+to each part's ``apply(composition, axis_mesh, config)`` (its module,
+``rank_side.StrategyModule``), lowest ``order`` first: with the built-ins,
+tensor parallelism shards layers, pipeline parallelism keeps this rank's stage,
+data parallelism (DDP or FSDP2) wraps what is left. A part may replace the
+model, add a gradient synchronisation to run after backward, say how a
+gradient-accumulation micro-step skips it, wrap the optimizer step, leave work
+for after every part has applied (the pipeline's runner needs the final model),
+give this rank a role, or keep state of its own that checkpoints carry
+(``extra_state``: DiLoCo's). Nothing here names a strategy: what differs is in
+the parts' declarations and in what their ``apply`` sets.
+
+What a part asks of the model goes through ``composition.plan``, the
+``zoo.model_protocol.Model`` parts the model offers (the zoo's networks offer
+them themselves; a network that cannot may be given an object that speaks for it).
 
 The result, a ``ParallelModel``, runs one step's forward and backward for this
 rank and then the optimizer step, whatever the composition, so the training
@@ -22,17 +29,23 @@ forward under ``torch.autocast`` in bfloat16, keeping float32 master weights.
 from __future__ import annotations
 
 import contextlib
-import importlib
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator
 
 import torch
 import torch.nn as nn
-from torch.distributed.fsdp import FSDPModule
 
 from labkit.strategies.catalog import DATA_AXES, role_of, strategy
-from labkit.strategies.ddp import accumulation_context
+from labkit.strategies.rank_side import rank_module
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from labkit.spec.train_config import TrainConfig
+
+Loss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (output, targets) -> the mean loss
 
 
-def autocast_for(precision: str, device: torch.device):
+def autocast_for(precision: str, device: torch.device) -> Callable[[], ContextManager[Any]]:
     """A context that runs the forward in ``precision`` (bf16: autocast; fp32: nothing)."""
     if precision == "bf16":
         return lambda: torch.autocast(device_type=device.type, dtype=torch.bfloat16)
@@ -46,12 +59,14 @@ class ParallelModel:
     instruments set it to note where the device waits for gradient communication.
     """
 
-    def __init__(self, composition: "Composition", autocast=contextlib.nullcontext, role: str = "trainer") -> None:
+    def __init__(self, composition: Composition,
+                 autocast: Callable[[], ContextManager[Any]] = contextlib.nullcontext, role: str = "trainer") -> None:
         # What the parts built, as they left it (see Composition for each field).
         self.module = composition.model
         self.loss_fn = composition.loss_fn
-        self.micro_batches = composition.config.micro_batches
+        self.micro_batches = composition.config.micro_batches or 1
         self.runner = composition.runner
+        self.micro_step = composition.micro_step
         self.grad_syncs = list(composition.grad_syncs)
         self.step_wrappers = list(composition.step_wrappers)
         self.data_share = composition.data_share  # (index, parts) of each global batch; None: takes no data
@@ -64,7 +79,7 @@ class ParallelModel:
         self.reference_view = composition.reference_view
         self.autocast = autocast
         self.role = role
-        self.backward_watch = lambda loss: contextlib.nullcontext()
+        self.backward_watch: Callable[[torch.Tensor], ContextManager[Any]] = lambda loss: contextlib.nullcontext()
 
     @property
     def owns_loss(self) -> bool:
@@ -73,7 +88,7 @@ class ParallelModel:
             return False
         return self.runner is None or self.runner.is_last
 
-    def batch_slice(self, tensors):
+    def batch_slice(self, tensors: tuple[torch.Tensor, ...] | list[torch.Tensor]) -> list[torch.Tensor]:
         """This rank's part of a global batch (nothing for a rank that takes no data)."""
         if self.data_share is None:
             return [tensor[:0] for tensor in tensors]
@@ -93,11 +108,13 @@ class ParallelModel:
             with self.autocast():
                 loss = self.runner.step(inputs, targets)
         else:
+            if self.loss_fn is None:
+                raise RuntimeError("this composition has no loss: it was built to estimate memory, not to train")
             loss = None
             pairs = list(zip(inputs.chunk(self.micro_batches), targets.chunk(self.micro_batches)))
             for index, (micro_inputs, micro_targets) in enumerate(pairs):
                 last = index == len(pairs) - 1
-                with _micro_step(self.module, last):
+                with self.micro_step(last):
                     with self.autocast():
                         micro_loss = self.loss_fn(self.module(micro_inputs), micro_targets) / len(pairs)
                     with self.backward_watch(micro_loss):
@@ -107,7 +124,7 @@ class ParallelModel:
             sync()
         return loss
 
-    def optimizer_step(self, optimizer) -> None:
+    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         """``optimizer.step()`` inside every wrapper a strategy added (outermost first)."""
         with contextlib.ExitStack() as wrappers:
             for wrap in self.step_wrappers:
@@ -117,18 +134,14 @@ class ParallelModel:
             else:
                 optimizer.step()
 
-    def named_parameters(self):
+    def named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
         """Parameter names as in the unwrapped model (DDP's ``module.`` prefix removed)."""
         for name, parameter in self.module.named_parameters():
             yield name.removeprefix("module."), parameter
 
 
-def _micro_step(module: nn.Module, last: bool):
-    """Skip gradient synchronisation on accumulation micro-steps (DDP and FSDP)."""
-    if isinstance(module, FSDPModule):
-        module.set_requires_gradient_sync(last)
-        return contextlib.nullcontext()
-    return accumulation_context(module, last)
+def _every_micro_step(last: bool) -> ContextManager[Any]:
+    return contextlib.nullcontext()
 
 
 class Composition:
@@ -136,42 +149,54 @@ class Composition:
 
     ``estimate_only``: the model lives on the meta device to count its shards'
     bytes; parts shard it as they would, but build nothing that communicates.
+    ``plan``: what the model offers the strategies (``zoo.model_protocol``);
+    the model itself unless something else speaks for it.
     """
 
-    def __init__(self, model: nn.Module, config, loss_fn, device: torch.device, backend: str,
-                 estimate_only: bool = False) -> None:
+    def __init__(self, model: nn.Module, config: TrainConfig, loss_fn: Loss | None, device: torch.device,
+                 backend: str, estimate_only: bool = False, plan: object | None = None) -> None:
         self.model = model
+        self.plan = model if plan is None else plan
         self.config = config
         self.parts = config.parts
         self.loss_fn = loss_fn
         self.device = device
         self.backend = backend
         self.estimate_only = estimate_only
-        self.grad_syncs: list = []  # called after backward, in order
-        self.step_wrappers: list = []  # context managers around optimizer.step(), given the optimizer
-        self.after_all: list = []  # work that needs the final model (called with the composition)
-        self.runner = None  # runs forward and backward itself (the pipeline's schedule)
+        self.grad_syncs: list[Callable[[], None]] = []  # called after backward, in order
+        # Context managers around optimizer.step(), given the optimizer.
+        self.step_wrappers: list[Callable[[torch.optim.Optimizer], ContextManager[Any]]] = []
+        self.after_all: list[Callable[[Composition], None]] = []  # work that needs the final model
+        self.runner: Any = None  # runs forward and backward itself (the pipeline's schedule: pp.PipelineRunner)
+        # Around each gradient-accumulation micro-step, told whether it is the last: a data-parallel
+        # wrapper skips its gradient synchronisation on the others (DDP's no_sync).
+        self.micro_step: Callable[[bool], ContextManager[Any]] = _every_micro_step
+        # Why torch's DDP reducer cannot hold this model, as parts found it (DTensor parameters, a
+        # schedule's several forwards before their backwards): data parallelism averages by hand instead.
+        self.reducer_unfit: list[str] = []
         self.own_precision = False  # a part casts for itself (FSDP's policy): no autocast
         self.data_share: tuple[int, int] | None = (0, 1)  # set from the data axes; a part may change it
-        self.loss_groups: list = []  # (group, size) pairs the progress line's loss is averaged over
-        self.update = None  # replaces optimizer.step() when set (called with the optimizer)
-        self.forward = None  # replaces forward and backward when set (called with inputs and targets)
+        self.loss_groups: list[tuple[Any, int]] = []  # (group, size) pairs the progress line's loss is averaged over
+        # Replaces optimizer.step() when set (called with the optimizer).
+        self.update: Callable[[torch.optim.Optimizer], None] | None = None
+        # Replaces forward and backward when set (called with inputs and targets).
+        self.forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor | None] | None = None
         # A part's own state that checkpoints carry beside model and optimizer (DiLoCo's outer step):
         # name -> object with state_dict(app) and load_state_dict(entry, optimizer), see rank/checkpoint;
         # an nbytes() is counted with the optimizer's memory.
-        self.extra_state: dict = {}
+        self.extra_state: dict[str, Any] = {}
         # What a part measured during the run, returned with the rank's result: e.g. a parameter
         # server's staleness per update.
-        self.strategy_results: dict = {}
+        self.strategy_results: dict[str, Any] = {}
         # For verify: given the single-process parameters by name, what this rank holds of them under
         # its own parameters' names (a parameter server's shard is a slice of them); None: the same names.
-        self.reference_view = None
+        self.reference_view: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None
 
     def uses(self, part: str) -> bool:
         return part in self.parts
 
 
-def _data_axes(composition: Composition, mesh) -> None:
+def _data_axes(composition: Composition, mesh: DeviceMesh) -> None:
     """This rank's share of each batch and the groups its loss is averaged over: the data axes' own."""
     index, parts = 0, 1
     for name in DATA_AXES:
@@ -182,25 +207,27 @@ def _data_axes(composition: Composition, mesh) -> None:
     composition.data_share = (index, parts)
 
 
-def _compose(composition: Composition, mesh) -> Composition:
+def _compose(composition: Composition, mesh: DeviceMesh) -> Composition:
     _data_axes(composition, mesh)
     for part in sorted(composition.parts, key=lambda name: strategy(name).order):
         entry = strategy(part)
-        importlib.import_module(entry.module_name).apply(composition, mesh[entry.axis], composition.config)
+        rank_module(entry).apply(composition, mesh[entry.axis], composition.config)
     if not composition.estimate_only:
         for finish in composition.after_all:
             finish(composition)
     return composition
 
 
-def parallelize(model: nn.Module, mesh, config, loss_fn, device: torch.device, backend: str,
-                rank: int = 0) -> ParallelModel:
-    composition = _compose(Composition(model, config, loss_fn, device, backend), mesh)
+def parallelize(model: nn.Module, mesh: DeviceMesh, config: TrainConfig, loss_fn: Loss, device: torch.device,
+                backend: str, rank: int = 0, plan: object | None = None) -> ParallelModel:
+    """``model`` split over ``mesh`` by every part of ``config``'s strategy; ``plan`` as in ``Composition``."""
+    composition = _compose(Composition(model, config, loss_fn, device, backend, plan=plan), mesh)
     autocast = contextlib.nullcontext if composition.own_precision else autocast_for(config.precision, device)
     return ParallelModel(composition, autocast=autocast, role=role_of(config.parts, config, rank))
 
 
-def shard_for_memory_estimate(model: nn.Module, mesh, config, backend: str) -> nn.Module:
+def shard_for_memory_estimate(model: nn.Module, mesh: DeviceMesh, config: TrainConfig, backend: str,
+                              plan: object | None = None) -> nn.Module:
     """Apply the same sharding to a meta-device model (no memory used); DDP keeps a full copy."""
-    composition = Composition(model, config, None, torch.device("meta"), backend, estimate_only=True)
+    composition = Composition(model, config, None, torch.device("meta"), backend, estimate_only=True, plan=plan)
     return _compose(composition, mesh).model

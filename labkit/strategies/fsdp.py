@@ -6,8 +6,10 @@ are reduce-scattered so each rank keeps only its shard of the average.
 ``reshard_after_forward=True`` frees the gathered parameters after forward (and
 gathers them again for backward): less memory, more communication.
 
-Each transformer block (or MLP layer) is its own FSDP unit, so only one block's
-full parameters exist at a time; the root module holds what is left.
+Each of the units the model offers (``fsdp_units``: a transformer's blocks, an
+MLP's layers) is its own FSDP unit, so only one unit's full parameters exist at
+a time; the root module holds what is left. A model that offers none is one
+unit.
 
 gloo pitfall (pytorch#162338): FSDP2 once relied on gloo's AVG reduce-scatter,
 which divided by the wrong count, so gradients came out summed instead of
@@ -23,29 +25,53 @@ float32 so the loss is computed in full precision.
 
 from __future__ import annotations
 
-import torch
-import torch.nn as nn
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+import contextlib
+from typing import TYPE_CHECKING, Any, ContextManager
+
+from labkit.strategies.catalog import Setting, Strategy
+from labkit.zoo.model_protocol import HasFsdpUnits
+
+if TYPE_CHECKING:
+    import torch.nn as nn
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from labkit.spec.train_config import TrainConfig
+    from labkit.strategies.compose import Composition
+
+RESHARD_AFTER_FORWARD = Setting("reshard_after_forward", True, "FSDP: free gathered parameters after forward",
+                                flag="--no-reshard")
+
+STRATEGY = Strategy(
+    "fsdp", axis="dp", order=2, shards_memory=True, list_position=20,
+    summary="fully sharded data parallel: parameters, gradients and optimizer state sharded (FSDP2)",
+    settings=(RESHARD_AFTER_FORWARD,),
+)
 
 
-def repeated_layers(model: nn.Module):
-    """The model's repeated units: GPT blocks or MLP layers (whichever this stage kept)."""
-    container = getattr(model, "blocks", None) or getattr(model, "layers", None)
-    return list(container.values()) if container is not None else []
+def units_of(model: nn.Module, plan: object | None = None) -> list[nn.Module]:
+    """The modules sharded as units of their own: what the model (or ``plan``, speaking for it) offers."""
+    offered = model if plan is None else plan
+    return offered.fsdp_units() if isinstance(offered, HasFsdpUnits) else []
 
 
 def mixed_precision(precision: str, root: bool) -> MixedPrecisionPolicy:
     """bf16 compute with float32 gradient reduction; only the whole model's output goes back to float32."""
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
     if precision == "bf16":
         return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
                                     output_dtype=torch.float32 if root else None)
     return MixedPrecisionPolicy()
 
 
-def apply_fsdp(model: nn.Module, dp_mesh, reshard_after_forward: bool = True, backend: str = "gloo",
-               precision: str = "fp32") -> nn.Module:
-    for layer in repeated_layers(model):
-        fully_shard(layer, mesh=dp_mesh, reshard_after_forward=reshard_after_forward,
+def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, reshard_after_forward: bool = True, backend: str = "gloo",
+               precision: str = "fp32", plan: object | None = None) -> nn.Module:
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    for unit in units_of(model, plan):
+        fully_shard(unit, mesh=dp_mesh, reshard_after_forward=reshard_after_forward,
                     mp_policy=mixed_precision(precision, root=False))
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard_after_forward,
                 mp_policy=mixed_precision(precision, root=True))
@@ -56,7 +82,18 @@ def apply_fsdp(model: nn.Module, dp_mesh, reshard_after_forward: bool = True, ba
     return model
 
 
-def apply(composition, dp_mesh, config) -> None:
-    """Catalog entry point: shard over the dp axis; FSDP's own policy handles bf16."""
-    apply_fsdp(composition.model, dp_mesh, config.reshard_after_forward, composition.backend, config.precision)
+def gradient_sync_on_last(model: nn.Module, last: bool) -> ContextManager[Any]:
+    """Reduce-scatter gradients only on a step's last accumulation micro-step."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(last)
+    return contextlib.nullcontext()
+
+
+def apply(composition: Composition, dp_mesh: DeviceMesh, config: TrainConfig) -> None:
+    """Shard over the dp axis, unit by unit; FSDP's own policy handles bf16."""
+    model = apply_fsdp(composition.model, dp_mesh, config.setting(RESHARD_AFTER_FORWARD), composition.backend,
+                       config.precision, plan=composition.plan)
+    composition.micro_step = lambda last: gradient_sync_on_last(model, last)
     composition.own_precision = True

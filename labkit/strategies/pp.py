@@ -1,6 +1,8 @@
 """Pipeline parallelism with ``torch.distributed.pipelining``: layers split into stages.
 
-Each rank of the pp axis keeps a contiguous run of layers (``keep_stage``) and
+Each rank of the pp axis keeps a contiguous run of layers (the model's
+``keep_stage``, ``zoo.model_protocol``; its settings may refuse more stages
+than layers in the notebook, ``check_stages``) and
 passes activations forward and gradients backward to its neighbours. A step's
 batch is cut into ``microbatches`` so that stages can work at the same time:
 
@@ -24,30 +26,76 @@ gloo pitfall (pytorch#132644): the schedules send and receive with
 several work handles was waited on. The torch versions labkit supports carry the
 fix; the pipeline tests run GPipe and 1F1B on gloo, and every cell is bounded by
 the lab's timeout in any case.
+
+The declaration loads without torch; ``apply`` and the runner import it on the ranks.
 """
 
 from __future__ import annotations
 
 import contextlib
+from typing import TYPE_CHECKING, Any, Callable
 
-import torch
-import torch.nn as nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from labkit.strategies.catalog import Setting, Strategy
+from labkit.zoo.model_protocol import ChecksStages, SplitsIntoStages
 
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+if TYPE_CHECKING:
+    import torch
+    import torch.nn as nn
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from labkit.spec.train_config import TrainConfig
+    from labkit.strategies.compose import Composition
+
+SCHEDULE = Setting("schedule", "1f1b", "pipeline schedule", choices=("gpipe", "1f1b"))
+SCHEDULES = ("gpipe", "1f1b")
 
 
-def keep_stage(model: nn.Module, pp_mesh) -> int:
-    """Cut ``model`` down to this rank's stage; return the stage index."""
+def check(config: TrainConfig) -> None:
+    """More stages than the model can be cut into, or too few microbatches for 1F1B, refused in the notebook."""
+    stages = config.axis("pp")
+    settings = config.model_config
+    if isinstance(settings, ChecksStages):
+        settings.check_stages(stages)
+    if config.setting(SCHEDULE) == "1f1b" and (config.micro_batches or 1) < stages:
+        raise ValueError(f"1F1B needs at least as many microbatches as stages: micro_batches >= {stages}")
+
+
+def one_microbatch_per_stage(config: TrainConfig) -> dict[str, int]:
+    return {"micro_batches": config.axis("pp")}
+
+
+STRATEGY = Strategy(
+    "pp", axis="pp", order=1, shards_memory=True, check=check, defaults=one_microbatch_per_stage,
+    loss_on_one_rank=True, list_position=40,
+    summary="pipeline parallel: stages of layers, microbatches in flight (torch.distributed.pipelining)",
+    settings=(SCHEDULE,),
+)
+
+
+def keep_stage(model: nn.Module, pp_mesh: DeviceMesh, plan: object | None = None) -> int:
+    """Cut ``model`` down to this rank's stage (by what ``plan``, or the model, offers); return the stage index."""
+    offered = model if plan is None else plan
+    if not isinstance(offered, SplitsIntoStages):
+        raise TypeError(f"no pipeline stages for {type(model).__name__}: give it a keep_stage(stage, stages) "
+                        "method that drops the layers other stages own, keeping the names of the rest")
     stage = pp_mesh.get_local_rank()
-    model.keep_stage(stage, pp_mesh.size())
+    offered.keep_stage(stage, pp_mesh.size())
     return stage
+
+
+def _schedule_class(schedule: str) -> Any:
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+
+    return {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
 
 
 class PipelineRunner:
     """Runs one training step of a pipeline stage: forward and backward of every microbatch."""
 
-    def __init__(self, module: nn.Module, pp_mesh, schedule: str, microbatches: int, loss_fn, device) -> None:
+    def __init__(self, module: nn.Module, pp_mesh: DeviceMesh, schedule: str, microbatches: int,
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None, device: torch.device) -> None:
+        from torch.distributed.pipelining import PipelineStage
+
         if schedule not in SCHEDULES:
             raise ValueError(f"unknown pipeline schedule {schedule!r}: choose {', '.join(SCHEDULES)}")
         self.stage_index = pp_mesh.get_local_rank()
@@ -55,7 +103,7 @@ class PipelineRunner:
         self.group = pp_mesh.get_group()
         self.device = device
         self.stage = PipelineStage(module, self.stage_index, self.stages, device, group=self.group)
-        self.schedule = SCHEDULES[schedule](self.stage, n_microbatches=microbatches, loss_fn=loss_fn)
+        self.schedule = _schedule_class(schedule)(self.stage, n_microbatches=microbatches, loss_fn=loss_fn)
 
     @property
     def is_first(self) -> bool:
@@ -67,6 +115,8 @@ class PipelineRunner:
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
         """Forward and backward of the step's batch; the mean loss on the last stage (a 0-d tensor)."""
+        import torch
+
         losses: list[torch.Tensor] = []
         batched = getattr(self.group, "p2p_batched", None)  # a lab group; torch's own coalesces by itself
         with batched(self.device) if batched is not None else contextlib.nullcontext():
@@ -75,7 +125,7 @@ class PipelineRunner:
             return None
         return torch.stack([loss.detach().float() for loss in losses]).mean()
 
-    def _run_schedule(self, inputs, targets, losses: list) -> None:
+    def _run_schedule(self, inputs: torch.Tensor, targets: torch.Tensor, losses: list[torch.Tensor]) -> None:
         if self.is_first and self.is_last:
             self.schedule.step(inputs, target=targets, losses=losses)
         elif self.is_first:
@@ -86,12 +136,15 @@ class PipelineRunner:
             self.schedule.step()
 
 
-def apply(composition, pp_mesh, config) -> None:
-    """Catalog entry point: keep this rank's stage; the schedule runs the final (maybe DDP/FSDP) model."""
-    keep_stage(composition.model, pp_mesh)
+def apply(composition: Composition, pp_mesh: DeviceMesh, config: TrainConfig) -> None:
+    """Keep this rank's stage; the schedule runs the final (maybe DDP/FSDP) model, once every part applied.
 
-    def build_runner(done) -> None:
-        done.runner = PipelineRunner(done.model, pp_mesh, config.schedule, config.micro_batches, done.loss_fn,
-                                     done.device)
+    A schedule runs several forwards before their backwards, which torch's DDP reducer rejects."""
+    keep_stage(composition.model, pp_mesh, plan=composition.plan)
+    composition.reducer_unfit.append("a pipeline schedule's several forwards before their backwards")
+    schedule, microbatches = config.setting(SCHEDULE), config.micro_batches or 1
+
+    def build_runner(done: Composition) -> None:
+        done.runner = PipelineRunner(done.model, pp_mesh, schedule, microbatches, done.loss_fn, done.device)
 
     composition.after_all.append(build_runner)

@@ -9,13 +9,17 @@ from torch.distributed.tensor import DTensor
 
 
 class OptimizerSettings(Protocol):
-    """What an optimizer is built from: a run's ``TrainConfig`` offers both."""
+    """What an optimizer is built from: a run's ``TrainConfig`` offers both (read only: a frozen config will do)."""
 
-    optimizer: str  # "sgd" or "adamw"
-    lr: float
+    @property
+    def optimizer(self) -> str: ...  # "sgd" or "adamw"
+
+    @property
+    def lr(self) -> float: ...
 
 
-def make_optimizer(parameters, config: OptimizerSettings, device: torch.device = torch.device("cpu")) -> torch.optim.Optimizer:
+def make_optimizer(parameters, config: OptimizerSettings,
+                   device: torch.device = torch.device("cpu")) -> torch.optim.Optimizer:
     """SGD or AdamW over ``parameters``.
 
     On CPU, one tensor at a time (``foreach=False``): the same per-parameter

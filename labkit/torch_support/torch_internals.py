@@ -20,12 +20,17 @@ from __future__ import annotations
 
 import contextlib
 import sys
+from collections.abc import Callable
 from datetime import timedelta
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.distributed as dist
 from torch._C import _distributed_c10d as c10d_native
 from torch.distributed import distributed_c10d as c10d
+
+if TYPE_CHECKING:  # a NewType of str in torch's stubs, not a name every torch has at run time
+    from torch.distributed.distributed_c10d import GroupName
 
 # torch's logger for DTensor's redistribution, which warns at every uneven shard of the zoo's models.
 DTENSOR_REDISTRIBUTE_LOGGER = "torch.distributed.tensor._redistribute"
@@ -36,9 +41,9 @@ _WORLD_TABLES = ("pg_map", "pg_names", "pg_group_ranks")
 
 def missing_internals() -> list[str]:
     """The private names labkit uses that this torch lacks (empty on a tested torch)."""
-    checks = {
+    checks: dict[str, Callable[[], object]] = {
         "distributed_c10d._world": lambda: c10d._world,
-        **{f"distributed_c10d._world.{table}": (lambda t=table: getattr(c10d._world, t))
+        **{f"distributed_c10d._world.{table}": _world_table(table)
            for table in (*_WORLD_TABLES, "pg_backend_config", "pg_to_tag", "tags_to_pg", "default_pg")},
         "distributed_c10d._update_default_pg": lambda: c10d._update_default_pg,
         "distributed_c10d._abort_process_group": lambda: c10d._abort_process_group,
@@ -75,6 +80,11 @@ def missing_internals() -> list[str]:
     return missing
 
 
+def _world_table(table: str) -> Callable[[], object]:
+    """A look-up of one table of torch's registry, made when called (``missing_internals``)."""
+    return lambda: getattr(c10d._world, table)
+
+
 # -- the registry of process groups --------------------------------------------------
 
 
@@ -93,9 +103,14 @@ def set_default_group(group) -> None:
     c10d._update_default_pg(group)
 
 
+def group_name(name: str) -> GroupName:
+    """``name`` as torch types a group's name (a plain str at run time)."""
+    return cast("GroupName", name)
+
+
 def group_by_name(name: str):
     """The group registered under ``name`` (how functional collectives and DTensor find one)."""
-    return c10d_native._resolve_process_group(name)
+    return c10d_native._resolve_process_group(group_name(name))
 
 
 def take_place_of(inner, stand_in, by_name: bool = True) -> None:
@@ -126,7 +141,7 @@ def new_backend_group(group_size: int, group_rank: int, global_ranks: list[int],
     The lab's stable groups (``rank.lab_groups``) put their own handle in the registry and hold this one
     inside: a rebuild replaces it without the registry (or anything a user built) noticing. ``store``
     should be unique to the generation: the group's rendezvous keys are ``name`` under it."""
-    group, _ = c10d._new_process_group_helper(group_size, group_rank, global_ranks, backend, store, name,
+    group, _ = c10d._new_process_group_helper(group_size, group_rank, global_ranks, backend, store, group_name(name),
                                               backend_options=options, timeout=timeout, device_id=device_id,
                                               group_desc=description)
     forget_registration(group)
@@ -172,10 +187,10 @@ def register_group(group, name: str, backend: str, store, backend_config: str, r
     # torch before 2.12 fills the same tables inline where it makes a group.
     world = c10d._world
     world.pg_map[group] = (backend, store)
-    world.pg_names[group] = name
+    world.pg_names[group] = group_name(name)
     world.pg_backend_config[group] = backend_config
     world.pg_group_ranks[group] = rank_mapping
-    c10d_native._register_process_group(name, group)
+    c10d_native._register_process_group(group_name(name), group)
     tag = f"ptd:{name}"
     world.tags_to_pg.setdefault("", []).append(group)
     world.tags_to_pg.setdefault(tag, []).append(group)

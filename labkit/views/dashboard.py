@@ -57,7 +57,7 @@ class FlagHistory:
             del self._open[rank]
 
     def as_tuples(self) -> list[tuple[int, int, int]]:
-        return [tuple(span) for span in self.spans]
+        return [(rank, first, last) for rank, first, last in self.spans]
 
 
 class Dashboard:

@@ -23,13 +23,17 @@ from __future__ import annotations
 import bisect
 import io
 
+from matplotlib.artist import Artist
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from matplotlib.legend import Legend
 from matplotlib.lines import Line2D
-from matplotlib.patches import Patch
+from matplotlib.patches import Patch, Rectangle
+from matplotlib.text import Annotation, Text
 from matplotlib.ticker import MaxNLocator
 
 from labkit.units import format_bytes
+from labkit.views.metrics import MetricsTable
 
 # The step axis never spans more than this many steps; it moves half of it at a time.
 WINDOW_STEPS = 256
@@ -134,7 +138,7 @@ class DashboardFigure:
         self.planned_steps = planned_steps
         self.smoothing = smoothing
         self.figure = Figure(figsize=FIGURE_INCHES, dpi=DISPLAY_DPI)
-        FigureCanvasAgg(self.figure)
+        self.canvas = FigureCanvasAgg(self.figure)  # Agg's: the frames are blitted (copy and restore a region)
         self.figure.subplots_adjust(left=0.11, right=0.98, top=0.80, bottom=0.09, hspace=0.55, wspace=0.25)
         axes = self.figure.subplots(2, 2)
         self.throughput, self.split, self.collectives, self.loss = axes.flat
@@ -150,12 +154,12 @@ class DashboardFigure:
         self._build_split()
         self._build_collectives()
         self._build_loss()
-        self._legend = None
+        self._legend: Legend | None = None
         self._build_legend()
         self._marked_events: set = set()
-        self._spans: list = []  # (rectangle, label) per straggler span, in FlagHistory's order
-        self._limits = None
-        self._background = None
+        self._spans: list[tuple[Rectangle, Annotation]] = []  # per straggler span, in FlagHistory's order
+        self._limits: tuple | None = None
+        self._background: object | None = None  # the axes drawn without the data (an Agg region), restored each frame
 
     # -- building -------------------------------------------------------------
 
@@ -192,7 +196,8 @@ class DashboardFigure:
         ax.set_xlabel("ms per step  (beside each bar: bytes per step)", fontsize=LABEL_POINTS)
         ax.xaxis.set_major_locator(MaxNLocator(5))
         self._kinds: tuple = ()
-        self.kind_bars, self.kind_labels = [], []
+        self.kind_bars: list[Rectangle] = []
+        self.kind_labels: list[Text] = []
 
     def _build_loss(self) -> None:
         ax = self.loss
@@ -205,7 +210,8 @@ class DashboardFigure:
         """One legend for the step panels, above them (outside every panel's data)."""
         if self._legend is not None:
             self._legend.remove()
-        handles = [Line2D([], [], color=rank_colour(rank), linewidth=2, label=f"rank {rank}") for rank in self.ranks]
+        handles: list[Artist] = [Line2D([], [], color=rank_colour(rank), linewidth=2, label=f"rank {rank}")
+                                 for rank in self.ranks]
         handles += [
             Line2D([], [], color="#777777", linewidth=0.8, alpha=0.5, label="each step"),
             Line2D([], [], color="#777777", linewidth=2, label=f"mean of last {self.smoothing} steps"),
@@ -244,7 +250,12 @@ class DashboardFigure:
                                  annotation_clip=True, zorder=4)
         self._background = None
 
-    def _straggler_span(self, index: int, rank: int):
+    @property
+    def straggler_spans(self) -> list[tuple[Rectangle, Annotation]]:
+        """(shaded rectangle, label) of each straggler span drawn, in ``FlagHistory``'s order."""
+        return list(self._spans)
+
+    def _straggler_span(self, index: int, rank: int) -> tuple[Rectangle, Annotation]:
         while len(self._spans) <= index:
             rectangle = self.throughput.axvspan(0, 1, color=STRAGGLER, alpha=0.18, linewidth=0, animated=True)
             label = self.throughput.annotate("", (0, 0.03), xycoords=("data", "axes fraction"), fontsize=TICK_POINTS,
@@ -257,7 +268,7 @@ class DashboardFigure:
 
     # -- a frame ------------------------------------------------------------------
 
-    def render(self, table, flagged: set[int], spans: list[tuple[int, int, int]],
+    def render(self, table: MetricsTable, flagged: set[int], spans: list[tuple[int, int, int]],
                image_format: str = "JPEG") -> bytes:
         """Draw ``table`` (``spans``: (rank, first, last step) each rank was flagged); return the frame."""
         reach = WINDOW_STEPS + self.smoothing  # the window, and the steps its first averages need
@@ -280,10 +291,10 @@ class DashboardFigure:
         limits = self._wanted_limits(step_span, rates, shares, kinds, losses, traffic)
         if self._background is None or limits != self._limits:
             self._apply_limits(limits)
-            self.figure.canvas.draw()  # the background: everything not animated
-            self._background = self.figure.canvas.copy_from_bbox(self.figure.bbox)
+            self.canvas.draw()  # the background: everything not animated
+            self._background = self.canvas.copy_from_bbox(self.figure.bbox)
         else:
-            self.figure.canvas.restore_region(self._background)
+            self.canvas.restore_region(self._background)
         self._draw_spans(spans, latest)
         for rank in self.ranks:
             self.raw_lines[rank].set_data(*rates[rank])
@@ -311,7 +322,7 @@ class DashboardFigure:
             self.collectives.draw_artist(label)
         self.loss_line.set_data(loss_steps, losses)
         self.loss.draw_artist(self.loss_line)
-        return encode(self.figure.canvas, image_format)
+        return encode(self.canvas, image_format)
 
     def _draw_spans(self, spans, latest: int) -> None:
         for index, (rank, first, last) in enumerate(spans):

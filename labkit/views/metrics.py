@@ -20,15 +20,24 @@ from __future__ import annotations
 
 import statistics
 from collections import defaultdict
+from collections.abc import Hashable, Mapping
+from typing import Literal, overload
 
 from labkit.views.stragglers import DEFAULT_THRESHOLD, DEFAULT_WINDOW, StragglerDetector, straggler_scores
+from labkit.wire.schema import StepRow, StepWindow
 
-__all__ = ["DEFAULT_THRESHOLD", "MetricsTable", "straggler_scores"]
+__all__ = ["DEFAULT_THRESHOLD", "MetricsTable", "StepField", "StepMaybeNumber", "StepNumber", "straggler_scores"]
 
 RECENT_STEPS = 10  # what "recent" means for the split, the collectives and the total throughput
+# The step-row fields that hold a number on every row (``cpu``: on CPU ranks' rows), those that may be None,
+# and both (one Literal: mypy checks a TypedDict key against a Literal, not against a union of them).
+StepNumber = Literal["step", "rank", "start", "seconds", "compute", "exposed_comm", "samples", "delay", "cpu"]
+StepMaybeNumber = Literal["tokens", "loss"]
+StepField = Literal["step", "rank", "start", "seconds", "compute", "exposed_comm", "samples", "delay", "cpu",
+                    "tokens", "loss"]
 
 
-def busy_seconds(row: dict) -> float:
+def busy_seconds(row: StepRow) -> float:
     """What straggler scores compare: CPU time on CPU ranks, device compute on GPU ranks."""
     return row.get("cpu", row["compute"])
 
@@ -40,7 +49,7 @@ class MetricsTable:
         self,
         world_size: int,
         global_batch: int,
-        peers_of: dict[int, int] | None = None,
+        peers_of: Mapping[int, Hashable] | None = None,
         threshold: float = DEFAULT_THRESHOLD,
         window: int = DEFAULT_WINDOW,
     ) -> None:
@@ -49,17 +58,17 @@ class MetricsTable:
         self.peers_of = peers_of or {}
         self.threshold = threshold
         self.window = window
-        self.rows: dict[int, dict[int, dict]] = {rank: {} for rank in range(world_size)}
+        self.rows: dict[int, dict[int, StepRow]] = {rank: {} for rank in range(world_size)}
         self._sequence: dict[int, int] = {}
         self.detector = StragglerDetector(threshold, window)
-        self._groups: dict[object, list[int]] = defaultdict(list)
+        self._groups: dict[Hashable, list[int]] = defaultdict(list)
         for rank in range(world_size):
             self._groups[self.peers_of.get(rank, 0)].append(rank)
-        self._scored_up_to: dict[object, int] = {}  # group -> the newest step the detector has seen
+        self._scored_up_to: dict[Hashable, int] = {}  # group -> the newest step the detector has seen
 
     # -- input ------------------------------------------------------------
 
-    def merge(self, message: dict | None) -> int:
+    def merge(self, message: StepWindow | None) -> int:
         """Add one published window ({rank, seq, rows}); return how many rows were new."""
         if not message:
             return 0
@@ -80,7 +89,7 @@ class MetricsTable:
         and the steps they train again replace the ones they had sent."""
         self._sequence.clear()
 
-    def merge_rows(self, rows: list[dict]) -> None:
+    def merge_rows(self, rows: list[StepRow]) -> None:
         """Add final rows (a run's results) regardless of sequence numbers."""
         for row in rows:
             self.rows.setdefault(row["rank"], {})[row["step"]] = row
@@ -90,7 +99,15 @@ class MetricsTable:
     def ranks(self) -> list[int]:
         return sorted(self.rows)
 
-    def series(self, rank: int, field: str, last: int | None = None) -> tuple[list[int], list[float]]:
+    @overload
+    def series(self, rank: int, field: StepNumber, last: int | None = None) -> tuple[list[int], list[float]]: ...
+    @overload
+    def series(self, rank: int, field: StepMaybeNumber, last: int | None = None
+               ) -> tuple[list[int], list[float | None]]: ...
+
+    def series(self, rank: int, field: StepField, last: int | None = None
+               ) -> tuple[list[int], list[float]] | tuple[list[int], list[float | None]]:
+        """(steps, ``field`` of this rank's row at each) over its ``last`` steps (all when None)."""
         steps = sorted(self.rows[rank])
         if last is not None:
             steps = steps[-last:]
@@ -104,7 +121,7 @@ class MetricsTable:
             return None
         return min(max(rows) for rows in self.rows.values())
 
-    def _recent(self, rank: int, count: int | None = None) -> list[dict]:
+    def _recent(self, rank: int, count: int | None = None) -> list[StepRow]:
         count = count or RECENT_STEPS
         steps = sorted(self.rows[rank])
         # The first step warms up caches and allocators: leave it out once there are others.
@@ -131,7 +148,7 @@ class MetricsTable:
 
     def split(self) -> dict[int, tuple[float, float]]:
         """{rank: (compute, exposed communication)} mean seconds per recent step."""
-        result = {}
+        result: dict[int, tuple[float, float]] = {}
         for rank in self.ranks():
             rows = self._recent(rank)
             if rows:
@@ -145,7 +162,7 @@ class MetricsTable:
         """{rank: bytes it moved through collectives and sends per step}, mean over recent steps.
 
         Shows who carries the traffic: under a parameter server, the servers."""
-        result = {}
+        result: dict[int, float] = {}
         for rank in self.ranks():
             rows = self._recent(rank)
             if rows:
@@ -154,7 +171,8 @@ class MetricsTable:
 
     def by_collective(self) -> dict[str, tuple[float, float]]:
         """{kind: (seconds, bytes)} per step, summed over ranks, mean over recent steps."""
-        seconds, sizes = defaultdict(float), defaultdict(float)
+        seconds: defaultdict[str, float] = defaultdict(float)
+        sizes: defaultdict[str, float] = defaultdict(float)
         for rank in self.ranks():
             rows = self._recent(rank)
             for row in rows:
@@ -166,11 +184,12 @@ class MetricsTable:
 
     def loss(self) -> tuple[list[int], list[float]]:
         """Mean over the ranks that computed a loss, per step."""
-        by_step = defaultdict(list)
+        by_step: defaultdict[int, list[float]] = defaultdict(list)
         for rows in self.rows.values():
             for step, row in rows.items():
-                if row["loss"] is not None:
-                    by_step[step].append(row["loss"])
+                loss = row["loss"]
+                if loss is not None:
+                    by_step[step].append(loss)
         steps = sorted(by_step)
         return steps, [statistics.fmean(by_step[step]) for step in steps]
 
@@ -192,7 +211,7 @@ class MetricsTable:
         A step some rank never published (windows that overflowed) is skipped, never waited for."""
         for group, ranks in self._groups.items():
             done = self._scored_up_to.get(group, -1)
-            newest = min((max(self.rows.get(rank) or {-1: None}) for rank in ranks), default=-1)
+            newest = min((max(self.rows.get(rank) or (-1,)) for rank in ranks), default=-1)
             if newest <= done:
                 continue
             for step in range(done + 1, newest + 1):

@@ -12,6 +12,10 @@ from __future__ import annotations
 
 import sys
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from IPython.display import DisplayHandle
 
 REDRAW_SECONDS = 0.2
 
@@ -29,7 +33,7 @@ class RankTexts:
         self.ranks = list(ranks)
         self.stdout = {rank: "" for rank in self.ranks}
         self.stderr = {rank: "" for rank in self.ranks}
-        self.results = {rank: None for rank in self.ranks}
+        self.results: dict[int, str | None] = {rank: None for rank in self.ranks}
 
     def update(self, rank: int, stdout: str, stderr: str) -> tuple[str, str]:
         """Record the full texts so far; return what is new since the last update."""
@@ -74,7 +78,7 @@ class LiveOutput:
         self.show_values = show_values
         self.silent = silent  # collect only (work running in the background prints nowhere)
         self.in_kernel = in_kernel() if live is None else live
-        self._handle = None
+        self._handle: DisplayHandle | None = None
         self._last_draw = 0.0
         self._dirty = False
         self._note = ""  # one line under the output while work runs (a rank stuck in a collective)

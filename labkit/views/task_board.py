@@ -11,8 +11,12 @@ queue prints its summary once. Outside a notebook nothing is drawn.
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 from labkit.views.rank_output import in_kernel
+
+if TYPE_CHECKING:
+    from IPython.display import DisplayHandle
 
 REDRAW_SECONDS = 0.25
 
@@ -42,7 +46,7 @@ class TaskBoard:
         self.total = total
         self.world_size = world_size
         self.live = in_kernel() if live is None else live
-        self._handle = None
+        self._handle: DisplayHandle | None = None
         self._last_draw = 0.0
 
     def show(self, records, rank_states: dict[int, str]) -> None:

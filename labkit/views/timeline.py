@@ -19,6 +19,8 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
+from labkit.wire.schema import TimelineStep
+
 KIND_COLOURS = {
     "all_reduce": "#ee6677",
     "all_gather": "#228833",
@@ -32,7 +34,7 @@ KIND_COLOURS = {
 COMPUTE, WAITING = "#4477aa", "#dddddd"
 
 
-def _last_steps(entries_by_rank: dict[int, list[dict]], steps: int | None) -> dict[int, list[dict]]:
+def _last_steps(entries_by_rank: dict[int, list[TimelineStep]], steps: int | None) -> dict[int, list[TimelineStep]]:
     common = set.intersection(*(set(e["step"] for e in entries) for entries in entries_by_rank.values()))
     chosen = sorted(common)[-steps:] if steps else sorted(common)
     return {rank: [e for e in entries if e["step"] in chosen] for rank, entries in entries_by_rank.items()}
@@ -41,7 +43,8 @@ def _last_steps(entries_by_rank: dict[int, list[dict]], steps: int | None) -> di
 class Timeline:
     """A picture of the last steps on every rank; ``save`` it or ``export_trace`` it."""
 
-    def __init__(self, entries_by_rank: dict[int, list[dict]], steps: int | None = None, title: str = "") -> None:
+    def __init__(self, entries_by_rank: dict[int, list[TimelineStep]], steps: int | None = None,
+                 title: str = "") -> None:
         self.entries = _last_steps(entries_by_rank, steps)
         self.title = title
         starts = [e["start"] for entries in self.entries.values() for e in entries]
@@ -54,15 +57,19 @@ class Timeline:
     # -- picture ----------------------------------------------------------
 
     def figure(self) -> Figure:
+        return self._canvas().figure
+
+    def _canvas(self) -> FigureCanvasAgg:
+        """The picture, drawn on a canvas of its own (the PNG is printed from it)."""
         ranks = sorted(self.entries)
         figure = Figure(figsize=(11, 0.8 + 0.75 * len(ranks)), dpi=80)
-        FigureCanvasAgg(figure)
+        canvas = FigureCanvasAgg(figure)
         axes = figure.subplots()
         kinds = set()
         ms = lambda t: (t - self.origin) * 1000  # noqa: E731 - a unit, read inline
         for lane, rank in enumerate(ranks):
             y = len(ranks) - 1 - lane
-            work = {COMPUTE: [], WAITING: []}
+            work: dict[str, list[tuple[float, float]]] = {COMPUTE: [], WAITING: []}
             collectives: dict[str, list] = {}
             for entry in self.entries[rank]:
                 for begin, end, busy in entry["busy"]:
@@ -85,11 +92,11 @@ class Timeline:
         axes.legend(handles=handles, fontsize=10, loc="upper center", bbox_to_anchor=(0.5, -0.25 / len(ranks) - 0.12),
                     ncol=len(handles), frameon=False)
         figure.subplots_adjust(bottom=0.1 + 0.25 / len(ranks) + 0.1, top=0.9, left=0.07, right=0.99)
-        return figure
+        return canvas
 
     def _repr_png_(self) -> bytes:
         buffer = io.BytesIO()
-        self.figure().canvas.print_png(buffer)
+        self._canvas().print_png(buffer)
         return buffer.getvalue()
 
     def save(self, path: str) -> None:

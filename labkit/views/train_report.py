@@ -16,8 +16,12 @@ from dataclasses import dataclass
 from labkit.spec.device_peaks import math_kind, peak_tflops
 from labkit.spec.train_config import TrainConfig
 from labkit.units import format_bytes
-from labkit.wire.schema import EQUIVALENCE_TOLERANCE, NOISE_FACTOR, RankResult, equivalence_bound
+from labkit.views.metrics import StepNumber
+from labkit.wire.schema import EQUIVALENCE_TOLERANCE, NOISE_FACTOR, MemoryBytes, RankResult, StepRow, TimelineStep, \
+    Verdict, equivalence_bound
 from labkit.wire.schema import total_bytes as _total
+from labkit.zoo.catalog import model
+
 
 @dataclass
 class TrainReport:
@@ -40,9 +44,10 @@ class TrainReport:
     def losses(self) -> list[float]:
         """Per step: the mean over dp replicas of each replica's loss."""
         owners = [
-            r for r in self.results if r["owns_loss"] and r["coordinate"].get("tp", 0) == 0 and r["losses"] is not None
+            losses for r in self.results
+            if r["owns_loss"] and r["coordinate"].get("tp", 0) == 0 and (losses := r["losses"]) is not None
         ]
-        return [statistics.fmean(owner["losses"][step] for owner in owners) for step in range(self.steps_done)]
+        return [statistics.fmean(losses[step] for losses in owners) for step in range(self.steps_done)]
 
     @property
     def step_seconds(self) -> list[float]:
@@ -55,8 +60,8 @@ class TrainReport:
         times = self.step_seconds
         return statistics.median(times[1:] or times)
 
-    def _steady_rows(self, result: dict) -> list[dict]:
-        rows = result.get("rows") or []
+    def _steady_rows(self, result: RankResult) -> list[StepRow]:
+        rows: list[StepRow] = result.get("rows") or []
         return rows[1:] or rows
 
     @property
@@ -70,7 +75,7 @@ class TrainReport:
                     total[kind] = total.get(kind, 0) + size / len(rows)
         return {kind: int(round(size)) for kind, size in sorted(total.items())}
 
-    def per_rank_means(self, field: str) -> list[float]:
+    def per_rank_means(self, field: StepNumber) -> list[float]:
         """Mean of a row field (compute, exposed_comm, seconds) per rank, over steady steps."""
         means = []
         for result in self.results:
@@ -89,9 +94,10 @@ class TrainReport:
 
     @property
     def tokens_per_second(self) -> float | None:
-        if self.config.model != "gpt":
-            return None
-        return self.samples_per_second * self.config.model_config.seq
+        count = model(self.config.model).tokens_per_sample
+        if count is None:
+            return None  # not a language model: its samples are not counted in tokens
+        return self.samples_per_second * count(self.config.model_config)
 
     @property
     def device_name(self) -> str:
@@ -123,7 +129,7 @@ class TrainReport:
         return None if peak is None else self.achieved_tflops / (peak * len(self.results))
 
     @property
-    def memory(self) -> list[dict]:
+    def memory(self) -> list[MemoryBytes]:
         return [r["memory"] for r in self.results]
 
     @property
@@ -136,28 +142,30 @@ class TrainReport:
         return [r.get("strategy_results") or {} for r in self.results]
 
     @property
-    def verify(self) -> dict | None:
+    def verify(self) -> Verdict | None:
         return self.results[0].get("verify")
 
     @property
     def max_relative_difference(self) -> float | None:
-        return None if self.verify is None else self.verify["max_relative_difference"]
+        verify = self.verify
+        return None if verify is None else verify["max_relative_difference"]
 
     @property
     def equivalence_bound(self) -> float | None:
         """The largest difference that is still rounding: max(1e-5, 10 x the run's rounding noise)."""
-        return None if self.verify is None else equivalence_bound(self.verify.get("rounding_noise", 0.0))
+        verify = self.verify
+        return None if verify is None else equivalence_bound(verify.get("rounding_noise", 0.0))
 
     @property
     def equivalent(self) -> bool | None:
-        difference = self.max_relative_difference
-        return None if difference is None else difference < self.equivalence_bound
+        difference, bound = self.max_relative_difference, self.equivalence_bound
+        return None if difference is None or bound is None else difference < bound
 
     def timeline(self, steps: int | None = 4):
         """A Gantt picture of the last ``steps`` steps on every rank (``export_trace`` for Perfetto)."""
         from labkit.views.timeline import Timeline
 
-        entries = {result["rank"]: result["timeline"] for result in self.results}
+        entries: dict[int, list[TimelineStep]] = {result["rank"]: result["timeline"] for result in self.results}
         if not all(entries.values()):
             raise ValueError("this run kept no timeline (it ran with instruments=False)")
         return Timeline(entries, steps, title=timeline_title(self.config, entries, steps))
@@ -169,7 +177,7 @@ class TrainReport:
     # -- pictures ---------------------------------------------------------------
 
     def _memory_rows(self) -> list[tuple[str, ...]]:
-        rows = []
+        rows: list[tuple[str, ...]] = []
         for result in self.results:
             memory = result["memory"]
             where = " ".join(f"{name}={index}" for name, index in result["coordinate"].items())
@@ -252,7 +260,7 @@ class TrainReport:
         return f"<div>{lines}<div>memory per rank:</div><table><tr>{head}</tr>{body}</table></div>"
 
 
-def timeline_title(config, entries_by_rank: dict, steps: int | None) -> str:
+def timeline_title(config: TrainConfig, entries_by_rank: dict[int, list[TimelineStep]], steps: int | None) -> str:
     """A timeline's title: the run, its pipeline schedule (what tells two pipeline timelines apart)
     and which steps are shown, counted as they are ("last step", "last 3 steps")."""
     shown = set.intersection(*(set(entry["step"] for entry in entries) for entries in entries_by_rank.values()))

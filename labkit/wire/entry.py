@@ -11,6 +11,7 @@ imports nothing of the rank's code: an engine loads it by name
 from __future__ import annotations
 
 from labkit.wire.current import RUNTIME_NAME, this_rank  # noqa: F401 - both sides reach them here too
+from labkit.wire.rank_settings import RankSettings
 
 
 RANK_RUNTIME_MODULE = "labkit.rank.runtime"  # the rank's code: torch and every module a rank runs
@@ -64,7 +65,7 @@ def describe_engine() -> dict:
     }
 
 
-def become_rank(settings: dict) -> dict:
+def become_rank(settings: RankSettings) -> dict:
     """Make this engine a rank with the notebook's ``settings``; its identity."""
     from IPython import get_ipython
 

@@ -39,6 +39,7 @@ class RankReport(TypedDict, total=False):
     display: Optional[str]  # a cell's last expression, as repr
     seconds: float
     error: ErrorInfo
+    groups: dict  # group name -> its state at the end of the work (``LabGroups.state()``: what runs.deadlock reads)
 
 
 class StepRow(TypedDict):
@@ -57,6 +58,14 @@ class StepRow(TypedDict):
     loss: Optional[float]
     delay: float  # injected slowdown (lab.slow)
     cpu: NotRequired[float]  # CPU ranks: the main thread's CPU time alone (what straggler scores compare)
+
+
+class StepWindow(TypedDict):
+    """The newest step rows of one rank, as its publisher sends them while a run trains."""
+
+    rank: int
+    seq: int  # counts the windows this rank published: an older one arriving late is dropped
+    rows: list[StepRow]
 
 
 class TimelineStep(TypedDict):

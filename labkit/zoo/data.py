@@ -1,5 +1,8 @@
 """Deterministic offline data: every rank can make any step's global batch by itself.
 
+Each model's declaration says which of these it trains on (``labkit.zoo.mlp``,
+``labkit.zoo.gpt``); ``dataset_for`` and ``loss_function`` find them by name.
+
 Nothing is downloaded. A batch is a pure function of (seed, step), so every rank
 builds the same global batch and takes its own slice, and the single-process
 reference trains on exactly the same samples. Both tasks have structure to learn:
@@ -14,6 +17,8 @@ reference trains on exactly the same samples. Both tasks have structure to learn
 from __future__ import annotations
 
 import torch
+
+from labkit.zoo.catalog import model
 
 
 def _generator(seed: int, salt: int) -> torch.Generator:
@@ -69,13 +74,11 @@ class MarkovText:
 
 
 def dataset_for(model_name: str, config, seed: int):
-    if model_name == "mlp":
-        return TeacherRegression(config.dims[0], config.dims[-1], seed)
-    return MarkovText(config.vocab, config.seq, seed)
+    """Model ``model_name``'s data for its settings ``config`` (its declaration says which)."""
+    return model(model_name).data(config, seed)
 
 
 def loss_function(model_name: str):
-    """Mean loss over the samples given: MSE for the MLP, next-token cross-entropy for the GPT."""
-    if model_name == "mlp":
-        return lambda output, target: torch.nn.functional.mse_loss(output, target)
-    return lambda logits, target: torch.nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten())
+    """Model ``model_name``'s mean loss over the samples given (MSE for the MLP, next-token cross-entropy
+    for the GPT)."""
+    return model(model_name).loss

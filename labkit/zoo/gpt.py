@@ -1,172 +1,97 @@
-"""The zoo's tiny GPT-style decoder, and how it splits over tensor and pipeline ranks.
+"""The zoo's tiny GPT, declared: its settings, what it costs, the splits it refuses, its data and its loss.
 
-The blocks sit in an ``nn.ModuleDict`` keyed "0", "1", ... so that a pipeline
-stage can drop the blocks it does not own and every parameter keeps its name
-(``blocks.2.attn.q.weight`` is the same tensor on one machine and on stage 1 of
-2): that is what lets a distributed run be compared, parameter by parameter,
-with single-process training.
+A decoder-only language model (the network, ``labkit.zoo.gpt_network``, built
+on the ranks) learning next tokens of ``MarkovText``: sequences from a fixed
+sparse Markov chain, each token followed by one of a few likely successors, so
+the loss can fall far below log(vocab). Its loss is next-token cross-entropy;
+its outputs are class scores, so an ensemble of it votes. Named in labkit's
+``pyproject.toml`` as ``gpt = "labkit.zoo.gpt:MODEL"``.
 
-Shapes are written so tensor parallelism can shard them: attention infers its
-local head count from the width of its (possibly column-sharded) projections.
-The plan (``TinyGPT.tp_plan``) is Megatron's: q/k/v column-wise, so each rank
-owns some heads, and the output projection row-wise; in the feed-forward, up
-column-wise and down row-wise. ``GPTConfig.check_tp`` refuses head counts and
-widths the plan cannot divide.
+Nothing here imports torch until the ranks build the network, make the data or
+compute the loss: the notebook reads the declaration to check a request.
 """
 
 from __future__ import annotations
 
-import torch
-import torch.nn as nn
-import torch.nn.functional as F
-from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    PrepareModuleInput,
-    PrepareModuleOutput,
-    RowwiseParallel,
-    SequenceParallel,
-)
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
 
-from labkit.zoo.configs import GPTConfig, stage_slice
+from labkit.zoo.catalog import ModelDeclaration
+from labkit.zoo.stages import Layered
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from labkit.zoo.data import MarkovText
 
 
-class Embedding(nn.Module):
-    """Token plus learned position embeddings."""
+@dataclass(frozen=True)
+class GPTConfig(Layered):
+    name: ClassVar[str] = "gpt"
+    vocab: int = 64
+    dim: int = 64
+    heads: int = 4
+    layers: int = 4
+    seq: int = 32
+    mlp_ratio: int = 4
 
-    def __init__(self, config: GPTConfig) -> None:
-        super().__init__()
-        self.tokens = nn.Embedding(config.vocab, config.dim)
-        self.positions = nn.Embedding(config.seq, config.dim)
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.heads
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(tokens.shape[1], device=tokens.device)
-        return self.tokens(tokens) + self.positions(positions)
+    @property
+    def parameters(self) -> int:
+        hidden = self.mlp_ratio * self.dim
+        block = 4 * self.dim * self.dim + 2 * self.dim * hidden + hidden + self.dim + 2 * 2 * self.dim
+        return (self.vocab + self.seq) * self.dim + self.layers * block + 2 * self.dim + self.dim * self.vocab
 
+    def training_flops_per_sample(self) -> int:
+        """6 per weight per token, plus attention's scores and weighted sum (PaLM, appendix B).
 
-class Attention(nn.Module):
-    def __init__(self, config: GPTConfig) -> None:
-        super().__init__()
-        self.head_dim = config.head_dim
-        self.q = nn.Linear(config.dim, config.dim, bias=False)
-        self.k = nn.Linear(config.dim, config.dim, bias=False)
-        self.v = nn.Linear(config.dim, config.dim, bias=False)
-        self.out = nn.Linear(config.dim, config.dim, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, seq, _ = x.shape
-
-        def heads(projection: torch.Tensor) -> torch.Tensor:
-            # -1: under tensor parallelism a rank holds only its share of the heads.
-            return projection.view(batch, seq, -1, self.head_dim).transpose(1, 2)
-
-        attended = F.scaled_dot_product_attention(heads(self.q(x)), heads(self.k(x)), heads(self.v(x)), is_causal=True)
-        return self.out(attended.transpose(1, 2).reshape(batch, seq, -1))
-
-
-class FeedForward(nn.Module):
-    def __init__(self, config: GPTConfig) -> None:
-        super().__init__()
-        self.up = nn.Linear(config.dim, config.mlp_ratio * config.dim)
-        self.down = nn.Linear(config.mlp_ratio * config.dim, config.dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(F.gelu(self.up(x)))
-
-
-class Block(nn.Module):
-    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
-
-    def __init__(self, config: GPTConfig) -> None:
-        super().__init__()
-        self.attn_norm = nn.LayerNorm(config.dim)
-        self.attn = Attention(config)
-        self.mlp_norm = nn.LayerNorm(config.dim)
-        self.mlp = FeedForward(config)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x))
-        return x + self.mlp(self.mlp_norm(x))
-
-
-class TinyGPT(nn.Module):
-    """A decoder-only language model: embed, blocks, final norm, head to logits.
-
-    On a pipeline stage that is not first, ``embed`` is None and the input is the
-    previous stage's hidden states; on a stage that is not last, ``norm`` and
-    ``head`` are None and the output is hidden states.
-    """
-
-    def __init__(self, config: GPTConfig = GPTConfig()) -> None:
-        super().__init__()
-        self.config = config
-        self.embed = Embedding(config)
-        self.blocks = nn.ModuleDict({str(i): Block(config) for i in range(config.layers)})
-        self.norm = nn.LayerNorm(config.dim)
-        self.head = nn.Linear(config.dim, config.vocab, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.embed is not None:
-            x = self.embed(x)
-        for block in self.blocks.values():
-            x = block(x)
-        if self.norm is not None:
-            x = self.norm(x)
-        if self.head is not None:
-            x = self.head(x)
-        return x
-
-    def keep_stage(self, stage: int, stages: int) -> None:
-        """Keep pipeline ``stage``'s blocks; the embedding only on the first, norm and head only on the last."""
-        for name in stage_slice(list(self.blocks), stage, stages, invert=True):
-            del self.blocks[name]
-        if stage > 0:
-            self.embed = None
-        if stage < stages - 1:
-            self.norm = None
-            self.head = None
-
-    def tp_plan(self, sequence_parallel: bool = False) -> dict:
-        """Megatron's pairs in every block this stage holds; with ``sequence_parallel``, norms sharded by sequence.
-
-        Sequence parallelism also splits what the column/row pairs leave whole:
-        the LayerNorms and the residual stream are sharded along the sequence,
-        and the pairs' all-reduce becomes a reduce-scatter into sequence shards
-        plus an all-gather before the next attention or feed-forward.
+        Position embeddings are a lookup, not a product, so they are left out;
+        attention adds 2 x 2 x seq x dim per layer and token forward, 3x that
+        forward and backward. Causal masking is not subtracted (the usual convention).
         """
-        # Under sequence parallelism the row-wise layers hand the residual stream back as sequence shards.
-        residual = Shard(1) if sequence_parallel else Replicate()
-        plan = {}
-        for name in self.blocks:
-            block = f"blocks.{name}"
-            plan.update(
-                {
-                    f"{block}.attn.q": ColwiseParallel(),
-                    f"{block}.attn.k": ColwiseParallel(),
-                    f"{block}.attn.v": ColwiseParallel(),
-                    f"{block}.attn.out": RowwiseParallel(output_layouts=residual),
-                    f"{block}.mlp.up": ColwiseParallel(),
-                    f"{block}.mlp.down": RowwiseParallel(output_layouts=residual),
-                }
-            )
-            if sequence_parallel:
-                # Norms work on sequence shards; attention and MLP need the whole sequence.
-                whole = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
-                plan.update(
-                    {
-                        f"{block}.attn_norm": SequenceParallel(),
-                        f"{block}.mlp_norm": SequenceParallel(),
-                        f"{block}.attn": whole,
-                        f"{block}.mlp": whole,
-                    }
-                )
-        if sequence_parallel:
-            if self.embed is not None:
-                plan["embed"] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1))
-            if self.norm is not None:
-                plan["norm"] = SequenceParallel()
-                # The head stays whole on every rank; it gets the whole sequence as a plain tensor.
-                plan["head"] = PrepareModuleInput(
-                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
-                )
-        return plan
+        weights = self.parameters - self.seq * self.dim
+        per_token = 6 * weights + 12 * self.layers * self.dim * self.seq
+        return per_token * self.seq
+
+    def check_tp(self, tp: int, sequence_parallel: bool, stages: int = 1) -> None:
+        """Refuse, before anything runs, a split that does not divide the heads and widths it shards."""
+        # Each rank owns whole heads: a split head would mix ranks inside one softmax.
+        if self.heads % tp:
+            raise ValueError(f"tp={tp} must divide the number of attention heads ({self.heads})")
+        if (self.mlp_ratio * self.dim) % tp:
+            raise ValueError(f"tp={tp} must divide the MLP width ({self.mlp_ratio * self.dim})")
+        if sequence_parallel and self.seq % tp:
+            raise ValueError(f"sequence parallelism needs tp={tp} to divide the sequence length ({self.seq})")
+
+
+def network(settings: GPTConfig) -> nn.Module:
+    from labkit.zoo.gpt_network import TinyGPT
+
+    return TinyGPT(settings)
+
+
+def data(settings: GPTConfig, seed: int) -> MarkovText:
+    from labkit.zoo.data import MarkovText
+
+    return MarkovText(settings.vocab, settings.seq, seed)
+
+
+def next_token_cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    import torch.nn.functional as F
+
+    return F.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+
+def tokens_per_sample(settings: GPTConfig) -> int:
+    return settings.seq
+
+
+MODEL = ModelDeclaration(
+    "gpt", summary="a tiny GPT-style decoder learning a sparse Markov chain's next tokens", settings=GPTConfig,
+    network=network, data=data, loss=next_token_cross_entropy, tokens_per_sample=tokens_per_sample,
+    classifies=True, list_position=20,
+)

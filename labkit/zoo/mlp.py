@@ -1,60 +1,85 @@
-"""The zoo's MLP: linear layers with ReLU between them, and how it splits.
+"""The zoo's MLP, declared: its settings, what it costs, the splits it refuses, its data and its loss.
 
-Regression on (batch, dims[0]) inputs. The layers sit in an ``nn.ModuleDict``
-keyed "0", "1", ... so that a pipeline stage can drop the layers it does not
-own and every parameter keeps its name (``layers.2.weight`` is the same tensor
-on one machine and on stage 1 of 2): that is what lets a distributed run be
-compared, parameter by parameter, with single-process training.
+Regression on (batch, dims[0]) inputs: linear layers with ReLU between them
+(the network, ``labkit.zoo.mlp_network``, built on the ranks). Its data is
+``TeacherRegression``: targets from a fixed random two-layer network, so the
+loss can fall well below that of predicting zeros; its loss the mean squared
+error. Named in labkit's ``pyproject.toml`` as ``mlp = "labkit.zoo.mlp:MODEL"``.
 
-Its tensor-parallel plan pairs the layers Megatron-style: layer i column-wise,
-layer i+1 row-wise, so only the second of each pair communicates.
-``MLPConfig.check_tp`` refuses the widths such a plan cannot divide.
+Nothing here imports torch until the ranks build the network, make the data or
+compute the loss: the notebook reads the declaration to check a request.
 """
 
 from __future__ import annotations
 
-import torch
-import torch.nn as nn
-import torch.nn.functional as F
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
 
-from labkit.zoo.configs import MLPConfig, stage_slice
+from labkit.zoo.catalog import ModelDeclaration
+from labkit.zoo.stages import Layered, stage_slice
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from labkit.zoo.data import TeacherRegression
 
 
-class MLP(nn.Module):
-    """Linear layers with ReLU between them; regression on (batch, dims[0]) inputs."""
+@dataclass(frozen=True)
+class MLPConfig(Layered):
+    name: ClassVar[str] = "mlp"
+    dims: tuple[int, ...] = (128, 512, 512, 512, 128)
 
-    def __init__(self, config: MLPConfig = MLPConfig()) -> None:
-        super().__init__()
-        self.config = config
-        self.layers = nn.ModuleDict(
-            {str(i): nn.Linear(config.dims[i], config.dims[i + 1]) for i in range(config.layers)}
-        )
-        self.last_layer = str(config.layers - 1)
+    @property
+    def layers(self) -> int:  # type: ignore[override]  # Layered's attribute, computed from the widths here
+        return len(self.dims) - 1
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for name, layer in self.layers.items():
-            x = layer(x)
-            if name != self.last_layer:
-                x = F.relu(x)
-        return x
+    @property
+    def parameters(self) -> int:
+        return sum(fan_in * fan_out + fan_out for fan_in, fan_out in zip(self.dims, self.dims[1:]))
 
-    def keep_stage(self, stage: int, stages: int) -> None:
-        """Drop every layer not owned by pipeline ``stage`` of ``stages``."""
-        for name in stage_slice(list(self.layers), stage, stages, invert=True):
-            del self.layers[name]
+    def training_flops_per_sample(self) -> int:
+        # A weight costs 2 FLOPs (multiply, add) per sample forward and 4 backward
+        # (the gradient of the input and of the weight): 6 per parameter.
+        return 6 * self.parameters
 
-    def tp_plan(self, sequence_parallel: bool = False) -> dict:
-        """Pair the layers: even layers column-wise, the next one row-wise; an odd last layer stays whole.
+    def check_tp(self, tp: int, sequence_parallel: bool, stages: int = 1) -> None:
+        """Refuse, before anything runs, a split that does not divide the widths it shards.
 
-        The pairs follow the layer names this stage still holds, so a pipeline
-        stage gets a plan for its own layers. ``sequence_parallel`` changes
-        nothing: the MLP has no norms or residual stream to shard by sequence,
-        and ``MLPConfig.check_tp`` refuses it before a run starts.
-        """
-        names = list(self.layers)
-        plan = {}
-        for first, second in zip(names[0::2], names[1::2]):
-            plan[f"layers.{first}"] = ColwiseParallel()
-            plan[f"layers.{second}"] = RowwiseParallel()
-        return plan
+        Each pipeline stage pairs the layers it holds (``MLP.tp_plan``), so under pp the
+        pairs start again at every stage's first layer: each stage's pairs are checked."""
+        indices = [str(index) for index in range(self.layers)]
+        inner = []
+        for stage in range(stages):
+            owned = [int(name) for name in stage_slice(indices, stage, stages)]
+            # Layer i (column-wise) and i+1 (row-wise) both split width dims[i+1].
+            inner += [self.dims[owned[k] + 1] for k in range(0, len(owned) - 1, 2)]
+        bad = sorted({width for width in inner if width % tp})
+        if bad:
+            raise ValueError(f"tp={tp} must divide the widths it splits; {bad} do not (MLP dims {self.dims})")
+        if sequence_parallel:
+            raise ValueError("sequence parallelism applies to the GPT model (its norms and residual stream)")
+
+
+def network(settings: MLPConfig) -> nn.Module:
+    from labkit.zoo.mlp_network import MLP
+
+    return MLP(settings)
+
+
+def data(settings: MLPConfig, seed: int) -> TeacherRegression:
+    from labkit.zoo.data import TeacherRegression
+
+    return TeacherRegression(settings.dims[0], settings.dims[-1], seed)
+
+
+def mean_squared_error(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    import torch.nn.functional as F
+
+    return F.mse_loss(output, target)
+
+
+MODEL = ModelDeclaration(
+    "mlp", summary="an MLP regressing a fixed random teacher network's outputs", settings=MLPConfig,
+    network=network, data=data, loss=mean_squared_error, list_position=10,
+)

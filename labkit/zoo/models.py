@@ -1,31 +1,25 @@
-"""The zoo's registry: model names to classes, and ``build_model`` to make one the same on every rank.
+"""Build any model by name, the same on every rank: ``build_model("gpt", settings, seed)``.
 
-A zoo model is one module in ``labkit/zoo/`` (``mlp.py``, ``gpt.py``) that owns
-everything a strategy asks of it: ``keep_stage(stage, stages)`` cuts it to one
-pipeline stage, and ``tp_plan(sequence_parallel)`` says how tensor parallelism
-shards it. Its settings live in ``labkit.zoo.configs`` (torch-free, so the
-notebook can check a request before any rank builds a model); add a model there
-and in ``MODEL_CLASSES`` below.
+A model is its declaration (``labkit.zoo.catalog``): the zoo's ``mlp`` and
+``gpt``, or an installed package's. This module keeps the names people import
+from here: the zoo's networks, and ``stage_slice``.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn as nn
 
-from labkit.zoo.configs import stage_slice
-from labkit.zoo.gpt import TinyGPT
-from labkit.zoo.mlp import MLP
+from labkit.zoo.catalog import model
+from labkit.zoo.gpt_network import TinyGPT
+from labkit.zoo.mlp_network import MLP
+from labkit.zoo.stages import stage_slice
 
-__all__ = ["MLP", "MODEL_CLASSES", "TinyGPT", "build_model", "stage_slice"]
-
-MODEL_CLASSES = {"mlp": MLP, "gpt": TinyGPT}
+__all__ = ["MLP", "TinyGPT", "build_model", "stage_slice"]
 
 
-def build_model(name: str, config, seed: int, device: str | torch.device = "cpu") -> nn.Module:
+def build_model(name: str, config: Any, seed: int, device: str | torch.device = "cpu") -> nn.Module:
     """The same initial weights on every rank and in the reference: seeded by ``seed``."""
-    model_class = MODEL_CLASSES[name]
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        with torch.device(device):
-            return model_class(config)
+    return model(name).build(config, seed, device)

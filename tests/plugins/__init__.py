@@ -1,1 +1,1 @@
-"""Strategies written outside labkit, registered through the catalog by the tests."""
+"""Strategies and models written outside labkit: a tiny package the tests install, and how they install it."""

@@ -32,6 +32,7 @@ is gone, terminates its own process group.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
@@ -40,6 +41,10 @@ import signal
 import sys
 import threading
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # for annotations only: the host imports no labkit code until it is asked to warm
+    from labkit.cluster.hosted.warmer import IdleWarmer
 
 # Modules every rank needs; imported once in the host so forked engines share them.
 RANK_MODULES = (
@@ -111,11 +116,9 @@ def _watch_host_life(life_read_fd: int) -> None:
     """Terminate this child when the host process goes away (its pipe end closes)."""
 
     def wait_for_host_exit() -> None:
-        try:
+        with contextlib.suppress(OSError):
             while os.read(life_read_fd, 1):
                 pass
-        except OSError:
-            pass
         group = os.getpgrp()  # this child's own group: it and what it started
         os.killpg(group, signal.SIGTERM)
         time.sleep(TERMINATE_GRACE_SECONDS)
@@ -142,7 +145,7 @@ class _Host:
         self.tokens: dict[int, str] = {}  # child pid -> the token its descendants carry (OWNER_VARIABLE)
         self.spawned = 0
         self.rank_modules_loaded = False
-        self.warmer = None  # an IdleWarmer once the owner asks for the warm imports
+        self.warmer: IdleWarmer | None = None  # once the owner asks for the warm imports
         self.warm_requests: list = []  # ids of warm requests, answered once every module is imported
 
     def reply(self, message: dict) -> None:
@@ -256,10 +259,8 @@ class _Host:
             except psutil.Error:
                 continue  # ended meanwhile, or not ours to read
             for process in family:
-                try:
+                with contextlib.suppress(psutil.Error):
                     process.send_signal(signal.SIGKILL)
-                except psutil.Error:
-                    pass
 
     def handle(self, line: str) -> None:
         request = json.loads(line)
@@ -363,10 +364,8 @@ def _signal_descendants(sig: int) -> None:
     import psutil
 
     for process in _descendants():
-        try:
+        with contextlib.suppress(psutil.Error):
             process.send_signal(sig)
-        except psutil.Error:
-            pass
 
 
 def _become_subreaper() -> None:
@@ -389,9 +388,8 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        host.serve()
-    except SystemExit:
-        pass
+        with contextlib.suppress(SystemExit):
+            host.serve()
     finally:
         host.terminate_children()
 

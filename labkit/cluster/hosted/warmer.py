@@ -52,6 +52,7 @@ class IdleWarmer:
         Returns the module imported, if any."""
         if not self.pending:
             return None
+        assert self.requested_at is not None  # modules are pending only once requested
         now = time.monotonic() if now is None else now
         self._observe(pids, now)
         forced = now - self.requested_at >= self.force_after

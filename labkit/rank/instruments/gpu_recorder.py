@@ -81,11 +81,12 @@ def assemble_row(step: dict, times: dict) -> tuple[StepRow, TimelineStep]:
     regions = exposed_regions(times["regions"], times["collectives"])
     seconds = max(0.0, end - start)
     exposed = min(seconds, union_length(regions, start, end))
-    comm, sent = {}, {}
+    comm: dict[str, float] = {}
+    sent: dict[str, int] = {}
     for kind, nbytes, issued, completed in times["collectives"]:
         comm[kind] = comm.get(kind, 0.0) + max(0.0, completed - issued)
         sent[kind] = sent.get(kind, 0) + nbytes
-    row = {
+    row: StepRow = {
         "step": step["step"],
         "rank": step["rank"],
         "start": wall + start,
@@ -110,7 +111,7 @@ def assemble_row(step: dict, times: dict) -> tuple[StepRow, TimelineStep]:
         cursor = high
     if end > cursor:
         spans.append((wall + cursor, wall + end, 1.0))
-    entry = {
+    entry: TimelineStep = {
         "step": step["step"],
         "rank": step["rank"],
         "start": wall + start,
@@ -200,8 +201,8 @@ class CudaStepRecorder:
         self.rows: deque = deque(maxlen=ROW_CAPACITY)
         self.timeline: deque = deque(maxlen=TIMELINE_STEPS)
         self.paused = False
-        self._compute_stream = None
-        self._origin = None  # (event, wall time): every time of the run counts from it
+        self._compute_stream: torch.cuda.Stream | None = None
+        self._origin: tuple[torch.cuda.Event, float] | None = None  # every time of the run counts from it
         self._step: dict | None = None
         self._pending: deque = deque()
         self._loss_slots = LossSlots()
@@ -252,7 +253,7 @@ class CudaStepRecorder:
         if step is None or not loss.requires_grad:
             yield
             return
-        marks = {}
+        marks: dict[str, torch.cuda.Event] = {}
         with calling_at_backward_end(loss, lambda: marks.setdefault("end", _event())):
             yield
         if "end" in marks:
@@ -295,6 +296,7 @@ class CudaStepRecorder:
 
     def end_step(self, samples: int, tokens: int | None, loss, delay: float = 0.0) -> None:
         step, self._step = self._step, None
+        assert step is not None  # begin_step came first
         loss = self._loss_slots.copy(loss)  # before the end event: once that has passed, the copy has landed
         step.update(end=_event(), samples=samples, tokens=tokens, loss=loss, delay=delay)
         self._pending.append(step)
@@ -305,8 +307,9 @@ class CudaStepRecorder:
         self._resolve(wait=True)
 
     def _resolve(self, wait: bool) -> None:
-        origin, wall = self._origin if self._origin else (None, 0.0)
         while self._pending:
+            assert self._origin is not None  # the first step since the last clear set it, before any was pending
+            origin, wall = self._origin
             step = self._pending[0]
             events = [step["start"], step["end"], *(e for pair in step["regions"] for e in pair),
                       *(e for *_, issued, done in step["collectives"] for e in (issued, done))]

@@ -36,6 +36,7 @@ class DeferredWork(dist.Work):
     def _posted(self) -> dist.Work:
         if self.real is None:
             self.batch.post()
+        assert self.real is not None  # posting the batch gave each of its works its timed one
         return self.real
 
     def wait(self, timeout=None) -> bool:

@@ -49,8 +49,9 @@ class MainThreadClock:
 
     def __init__(self) -> None:
         main = threading.main_thread()
+        assert main.ident is not None  # the main thread runs this process: it has started
         self._cpu_clock = time.pthread_getcpuclockid(main.ident)
-        self._schedstat = None
+        self._schedstat: int | None = None
         # The main thread leads its thread group, so its id is the process id. Not main.native_id:
         # in a process forked from another (the lab's ranks are), Python 3.11 keeps the parent's id
         # there, and the run delay (most of a slowed rank's step on a loaded machine) went unseen.
@@ -98,7 +99,7 @@ class StepRecorder:
         self._events: deque = deque()  # (kind, bytes, issued, completed), from any thread
         self._samples: deque = deque(maxlen=20_000)  # (perf time, busy seconds) for the timeline
         self.timeline: deque = deque(maxlen=TIMELINE_STEPS)
-        self._step = None
+        self._step: tuple[int, float, float] | None = None  # (step, began, busy then) of the step under way
         self._issued = self._completed = 0
         self._wall_offset = time.time() - time.perf_counter()
 
@@ -164,7 +165,8 @@ class StepRecorder:
         self._samples.clear()
         self._samples.append((now, self._step[2]))
 
-    def end_step(self, samples: int, tokens: int | None, loss: float | None, delay: float = 0.0) -> dict:
+    def end_step(self, samples: int, tokens: int | None, loss: float | None, delay: float = 0.0) -> StepRow:
+        assert self._step is not None  # begin_step came first
         step, began, busy_began = self._step
         ended, busy_ended = time.perf_counter(), self.clock.busy()
         self._settle()
@@ -173,7 +175,8 @@ class StepRecorder:
         events = []
         while self._events:
             events.append(self._events.popleft())
-        comm, sent = {}, {}
+        comm: dict[str, float] = {}
+        sent: dict[str, int] = {}
         for kind, nbytes, issued, completed in events:
             comm[kind] = comm.get(kind, 0.0) + (completed - issued)
             sent[kind] = sent.get(kind, 0) + nbytes

@@ -29,9 +29,9 @@ class StepTimer:
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
         self._seconds: list[float] = []  # steps whose time is known
-        self._began = None  # CPU: when the current step began
+        self._began: float | None = None  # CPU: when the current step began
         self._begins: deque = deque()  # GPU: begin events not read yet (the last one is the current step's)
-        self._last_end = None  # GPU: the end event of the latest step
+        self._last_end: torch.cuda.Event | None = None  # GPU: the end event of the latest step
 
     def begin(self) -> None:
         if not self.cuda:
@@ -42,6 +42,7 @@ class StepTimer:
 
     def end(self) -> None:
         if not self.cuda:
+            assert self._began is not None  # begin came first
             self._seconds.append(time.perf_counter() - self._began)
             return
         self._last_end = _cuda_event()
@@ -62,6 +63,7 @@ class StepTimer:
         """Every step's time (on a GPU, waits for the last step to finish)."""
         if self.cuda and self._begins:
             self._read(wait=True)
+            assert self._last_end is not None  # every step begun has ended
             self._last_end.synchronize()
             self._seconds.append(self._begins.popleft().elapsed_time(self._last_end) / 1000.0)
         return self._seconds

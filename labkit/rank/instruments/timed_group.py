@@ -125,8 +125,9 @@ class TimedGroup(dist.ProcessGroup):
     """
 
     def __init__(self, inner: dist.ProcessGroup, recorder, link=None) -> None:
-        super().__init__(inner.rank(), inner.size())
-        self.inner = inner
+        # torch's stubs list only (store, rank, size); the binding also takes (rank, size), as here.
+        super().__init__(inner.rank(), inner.size())  # type: ignore[call-arg]
+        self.inner: dist.ProcessGroup | None = inner  # None once retired or shut down
         self.recorder = recorder
         self.link = link
         self.issued = 0

@@ -1,40 +1,16 @@
-"""What ``%lab --help`` and ``%lab COMMAND --help`` show: each command in one line, its options one line each.
+"""What ``%lab --help`` and ``%lab COMMAND --help`` show for what no option parser reads.
 
-``SUMMARIES`` is the one place a command is described; the parsers take their
-first line from it. Commands whose few words are read by hand (``%lab kill 1``,
-``%lab link 100Mbit 20ms``) get a parser here that only describes them.
+``%lab --help`` lists every command in one line (``commands.SUMMARIES``). The
+commands whose few words are read by hand (``%lab kill 1``, ``%lab link 100Mbit
+20ms``) get a parser here that only describes them, for their ``--help``.
 """
 
 from __future__ import annotations
 
-from labkit.magic_args import CommandParser
+from labkit.magics.commands import CELL, CELL_SUMMARY, SUMMARIES
+from labkit.magics.parsing import CommandParser, command_parser
 
-SUMMARIES = {  # in the order %lab --help lists them
-    "start": "start N ranks; run again, it reuses a healthy lab with the same settings or replaces it",
-    "mesh": "build a named device mesh on every rank and draw it (lab.mesh)",
-    "train": "train a zoo model under a strategy; each option is a setting of lab.train",
-    "slow": "make a rank busy-wait that much longer each training step: a straggler on demand (lab.slow)",
-    "link": "a simulated slow network between the ranks: set it, remove it (off) or, alone, show it (lab.link)",
-    "seed": "seed torch, numpy and random on every rank: S + rank, or S everywhere with --same (lab.seed)",
-    "push": "put the notebook's functions, classes, modules and values into every rank's namespace (lab.push)",
-    "run": "run a script written for torchrun, unmodified, as __main__ on every rank (lab.run_script)",
-    "bench": "time a collective over message sizes on the ranks' device (lab.bench_collective)",
-    "checkpoint": "save the ranks' training state, or load a checkpoint resharded to these ranks (lab.save, lab.load)",
-    "kill": "SIGKILL a rank's process, also during a run (lab.kill); %lab heal replaces it",
-    "heal": "replace what died and go on from the newest checkpoint (lab.heal)",
-    "tasks": "FN(item) for every item of ITEMS, each on whichever rank is idle (lab.tasks)",
-    "ensemble": "members trained apart on the task queue, scored against their combination (lab.ensemble)",
-    "join-command": "the line that, run on another machine with labkit, makes its engine join as the next rank",
-    "status": "one row per rank: state, host, pid, engine, device, threads, group, coordinate (also %lab alone)",
-    "timeout": "the default time limit for each cell, in seconds",
-    "restart": "fresh processes with the same settings (lab.restart)",
-    "stop": "stop every rank, the controller and its ports (lab.stop)",
-}
-CELL_SUMMARY = "run the cell on every rank (or some); output labelled [rank r], the last value shown"
-
-
-def command_parser(name: str, **kwargs) -> CommandParser:
-    return CommandParser(prog=f"%lab {name}", description=SUMMARIES[name], **kwargs)
+BARE = ("heal", "join-command", "status", "restart", "stop")  # commands that take no words
 
 
 def described_parsers() -> dict[str, CommandParser]:
@@ -64,8 +40,7 @@ def described_parsers() -> dict[str, CommandParser]:
     kill.add_argument("rank", metavar="RANK", help="the rank to kill")
     timeout = command_parser("timeout", usage="%lab timeout S")
     timeout.add_argument("seconds", metavar="S", help="seconds a cell may run before its ranks are interrupted")
-    bare = {name: command_parser(name, usage=f"%lab {name}")
-            for name in ("heal", "join-command", "status", "restart", "stop")}
+    bare = {name: command_parser(name, usage=f"%lab {name}") for name in BARE}
     return dict(mesh=mesh, slow=slow, link=link, seed=seed, run=run, checkpoint=checkpoint, kill=kill,
                 timeout=timeout, **bare)
 
@@ -75,5 +50,5 @@ def overview() -> str:
     width = max(map(len, SUMMARIES))
     lines = ["%lab COMMAND [options]: live torch.distributed ranks; %lab COMMAND --help for its options"]
     lines += [f"  {name.ljust(width)}  {summary}" for name, summary in SUMMARIES.items()]
-    lines.append(f"%%lab [options]: {CELL_SUMMARY}")
+    lines.append(f"{CELL} [options]: {CELL_SUMMARY}")
     return "\n".join(lines) + "\n"

@@ -1,9 +1,10 @@
-"""argparse for the magics: one-line mistakes with a "did you mean", help of one line per option.
+"""The one argument parser of the magics: one-line mistakes with a "did you mean", help of one line per option.
 
 A magic is typed in a notebook cell, so a mistake is answered with the one line
 that matters (an IPython ``UsageError``, which the notebook shows without a
 traceback) and a pointer to ``--help``, never argparse's usage dump; ``--help``
-shows the command's options, one line each, and is not an error.
+shows the command's options, one line each, and is not an error. Every command's
+parser, the cell magic's included, is made by ``command_parser``.
 """
 
 from __future__ import annotations
@@ -11,8 +12,12 @@ from __future__ import annotations
 import argparse
 import difflib
 import re
+from collections.abc import Iterable, Sequence
+from typing import Any, NoReturn
 
 from IPython.core.error import UsageError
+
+from labkit.magics.commands import CELL, CELL_SUMMARY, SUMMARIES
 
 HELP_WORDS = ("-h", "--help")
 
@@ -21,17 +26,17 @@ class HelpShown(Exception):
     """Raised after a parser printed its help: the command does nothing more."""
 
 
-def asks_for_help(words) -> bool:
+def asks_for_help(words: Iterable[str]) -> bool:
     return any(word in HELP_WORDS for word in words)
 
 
-def choice_list(choices) -> str:
+def choice_list(choices: Iterable[object]) -> str:
     """``a, b or c``."""
-    choices = [str(choice) for choice in choices]
-    return choices[0] if len(choices) == 1 else f"{', '.join(choices[:-1])} or {choices[-1]}"
+    names = [str(choice) for choice in choices]
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
 
 
-def unknown_word(kind: str, word: str, known) -> str:
+def unknown_word(kind: str, word: str, known: Iterable[object]) -> str:
     """``unknown command 'trian': did you mean 'train'?`` (or without the question when nothing is close)."""
     close = difflib.get_close_matches(word, [str(name) for name in known], n=1)
     return f"unknown {kind} {word!r}" + (f": did you mean {close[0]!r}?" if close else "")
@@ -41,7 +46,7 @@ class CommandParser(argparse.ArgumentParser):
     """A magic's parser: mistakes raise a one-line ``UsageError``; ``-h``/``--help`` print the help and raise
     ``HelpShown``. The first line of the help is the usage and the ``description`` (one line)."""
 
-    def __init__(self, prog: str, description: str = "", usage: str | None = None, **kwargs) -> None:
+    def __init__(self, prog: str, description: str = "", usage: str | None = None, **kwargs: Any) -> None:
         # No abbreviations: a mistyped --thread is answered "did you mean --threads?", not taken silently.
         super().__init__(prog=prog, description=description, usage=usage, add_help=False, allow_abbrev=False,
                          **kwargs)
@@ -69,17 +74,21 @@ class CommandParser(argparse.ArgumentParser):
         lines = [first] + [f"  {name.ljust(width)}  {meaning}".rstrip() for name, meaning in rows]
         return "\n".join(lines) + "\n"
 
-    def print_help(self, file=None) -> None:
+    def print_help(self, file: Any = None) -> None:
         print(self.format_help(), end="", file=file)
 
-    def _metavar(self, action) -> str:
-        if action.metavar:
+    def _metavar(self, action: argparse.Action) -> str:
+        if isinstance(action.metavar, str) and action.metavar:
             return action.metavar
         if action.choices and not action.option_strings:
             return action.dest.upper()
-        return {int: "N", float: "X"}.get(action.type, action.dest.upper())
+        if action.type is int:
+            return "N"
+        if action.type is float:
+            return "X"
+        return action.dest.upper()
 
-    def _invocation(self, action) -> str:
+    def _invocation(self, action: argparse.Action) -> str:
         if not action.option_strings:
             return self._metavar(action)
         option = ", ".join(action.option_strings)
@@ -91,7 +100,8 @@ class CommandParser(argparse.ArgumentParser):
 
     # -- parsing and mistakes ---------------------------------------------------------
 
-    def parse_args(self, args=None, namespace=None):
+    # argparse declares parse_args as overloads (with a namespace and without); this one signature is both.
+    def parse_args(self, args: Sequence[str] | None = None, namespace: Any = None) -> Any:  # type: ignore[override]
         words = list(args or [])
         if asks_for_help(words):
             self.print_help()
@@ -113,15 +123,22 @@ class CommandParser(argparse.ArgumentParser):
             return f"unknown option {word}: did you mean {bare[close[0]]}?"
         return f"unknown option {word}; the options are {', '.join(known)}"
 
-    def _check_value(self, action, value) -> None:
+    def _check_value(self, action: argparse.Action, value: Any) -> None:
         if action.choices is not None and value not in action.choices:
             noun = (action.option_strings[-1].lstrip("-") if action.option_strings else action.dest).replace("-", " ")
             said = unknown_word(noun, value, action.choices)
             said += " choose " if said.endswith("?") else "; choose "
             raise argparse.ArgumentError(action, said + choice_list(action.choices))
 
-    def error(self, message: str):
+    def error(self, message: str) -> NoReturn:
         raise UsageError(f"{_plain(message)} (see {self.prog} --help)")
+
+
+def command_parser(name: str, **kwargs: Any) -> CommandParser:
+    """The parser of ``%lab NAME`` (of the cell magic for ``commands.CELL``), described by its one line."""
+    if name == CELL:
+        return CommandParser(prog=CELL, description=CELL_SUMMARY, **kwargs)
+    return CommandParser(prog=f"%lab {name}", description=SUMMARIES[name], **kwargs)
 
 
 def _plain(message: str) -> str:

@@ -1,24 +1,8 @@
 """``%lab`` and ``%%lab``: thin notebook wrappers over ``labkit.Lab``.
 
-    %load_ext labkit
-    %lab start 4              start 4 ranks (gloo on CPU; nccl, one per GPU, with CUDA)
-    %lab mesh dp=2 tp=2       build a named device mesh on every rank and draw it
-    %lab train --strategy fsdp --model gpt --steps 50 [--verify] [--dashboard]
-                              train a zoo model under a strategy (see Lab.train)
-    %lab slow 2 30ms          make rank 2 a straggler (off to undo)
-    %lab link 100Mbit 20ms    a simulated slow network between the ranks (off to undo; alone: show it)
-    %lab seed 42 [--same]     seed every rank: 42 + rank (or 42 everywhere)
-    %lab push helper np data  put notebook functions, classes, modules, values into every rank's namespace
-    %lab run train.py --epochs 2   run a torchrun-style script, unmodified, on every rank
-    %lab bench allreduce      time a collective over message sizes
-    %%lab [--ranks 0,2] [--timeout 30]
-    ...                       run the cell on every rank (or the given ones)
-    %lab status               one row per rank
-    %lab timeout 60           default time limit for each cell, in seconds
-    %lab restart | stop       fresh processes | stop everything
-
 Each magic parses its words and calls one method of the ``Lab`` it holds; the
-``Lab`` is also put in the notebook as ``lab`` for the Python API.
+``Lab`` is also put in the notebook as ``lab`` for the Python API. The words are
+read before the lab is looked for, so a mistake is answered whether one runs or not.
 """
 
 from __future__ import annotations
@@ -27,30 +11,37 @@ import argparse
 import difflib
 import shlex
 import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 
 from labkit.lab import Lab
-from labkit.magic_args import HELP_WORDS, CommandParser, HelpShown, asks_for_help, unknown_word
-from labkit.magic_help import described_parsers, overview
-from labkit.magic_parsers import (build_parsers, duration, push_parser, rank_list, run_own_words, seconds,
-                                  split_run_words)
-from labkit.network_magics import join_command_line, network_settings
-from labkit.queue_magics import ensemble_command, ensemble_parser, tasks_command, tasks_parser
-from labkit.runs.link import link_command
+from labkit.magics.help import described_parsers, overview
+from labkit.magics.link import link_command
+from labkit.magics.network import join_command_line, network_settings
+from labkit.magics.parsers import bench_parser, cell_parser, push_parser, start_parser
+from labkit.magics.parsing import HELP_WORDS, CommandParser, HelpShown, asks_for_help, unknown_word
+from labkit.magics.queue import ensemble_command, ensemble_parser, tasks_command, tasks_parser
+from labkit.magics.train_args import train_parser
+from labkit.magics.values import duration, rank_list, run_own_words, seconds, split_run_words
 from labkit.spec.mesh import MeshSpec
+
+if TYPE_CHECKING:
+    from IPython.core.interactiveshell import InteractiveShell
 
 
 @magics_class
 class LabMagics(Magics):
     """Holds this notebook's lab; every magic delegates to it."""
 
-    def __init__(self, shell):
+    def __init__(self, shell: InteractiveShell) -> None:
         super().__init__(shell)
+        self._shell = shell  # also IPython's ``self.shell``, which its type leaves optional
         self.lab: Lab | None = None
-        self._start_parser, self._train_parser, self._bench_parser, self._cell_parser = build_parsers()
-        self._push_parser = push_parser()
+        self._start_parser, self._train_parser = start_parser(), train_parser()
+        self._bench_parser, self._push_parser, self._cell_parser = bench_parser(), push_parser(), cell_parser()
         self._described = described_parsers()  # only for --help: those commands read their words by hand
 
     def _parser(self, command: str) -> CommandParser:
@@ -66,8 +57,10 @@ class LabMagics(Magics):
 
     # -- dispatch -------------------------------------------------------------
 
-    @line_cell_magic
-    def lab(self, line: str, cell: str | None = None):
+    # The method has its own name: ``self.lab`` is the lab this object holds. IPython types its decorator
+    # factory as the union of its two uses (bare and named), so the named use needs the ignore.
+    @line_cell_magic("lab")  # type: ignore[arg-type]
+    def lab_magic(self, line: str, cell: str | None = None) -> Any:
         """Start, shape and use live torch.distributed ranks. See ``labkit.magics``.
 
         %lab start [N] [--backend gloo|nccl] [--timeout S] [--start-timeout S] [--threads K]
@@ -98,12 +91,12 @@ class LabMagics(Magics):
             return self._run_cell(line, cell)
         words = shlex.split(line)
         if not words:
-            return self.status("")
+            return self.status([])
         command, rest = words[0], words[1:]
         if command in HELP_WORDS:
             print(overview(), end="")
             return None
-        handlers = {  # in the order of %lab --help
+        handlers: dict[str, Callable[[list[str]], Any]] = {  # in the order of %lab --help
             "start": self.start,
             "mesh": self.mesh,
             "train": self.train,
@@ -116,7 +109,7 @@ class LabMagics(Magics):
             "checkpoint": self.checkpoint,
             "kill": self.kill,
             "heal": self.heal,
-            "tasks": lambda words: tasks_command(self._require_lab, words, self.shell.user_ns),
+            "tasks": lambda words: tasks_command(self._require_lab, words, self._shell.user_ns),
             "ensemble": lambda words: ensemble_command(self._require_lab, words),
             "join-command": lambda words: join_command_line(self._require_lab()),
             "status": self.status,
@@ -144,14 +137,14 @@ class LabMagics(Magics):
         return self.lab
 
     def _publish(self, lab: Lab) -> None:
-        namespace = self.shell.user_ns
+        namespace = self._shell.user_ns
         if not isinstance(namespace.get("lab"), (Lab, type(None))):
             return  # the notebook uses the name `lab` for something else: leave it alone
         namespace["lab"] = lab
 
     # -- commands ---------------------------------------------------------
 
-    def start(self, words):
+    def start(self, words: list[str]) -> None:
         options = self._start_parser.parse_args(words)
         wanted = dict(ranks=options.ranks, backend=options.backend, threads_per_rank=options.threads,
                       oversubscribe=options.oversubscribe, check_collectives=options.check_collectives,
@@ -184,7 +177,7 @@ class LabMagics(Magics):
         )
         return None
 
-    def train(self, words):
+    def train(self, words: list[str]) -> Any:
         options = vars(self._train_parser.parse_args(words))  # mistakes first, lab or not
         lab = self._require_lab()
         mesh_text = options.pop("mesh", None)
@@ -195,7 +188,7 @@ class LabMagics(Magics):
         live = options.pop("dashboard", False)
         return lab.train(mesh=mesh, dashboard=live, background=live, **options)
 
-    def checkpoint(self, words):
+    def checkpoint(self, words: list[str]) -> None:
         lab = self._require_lab()
         if len(words) != 2 or words[0] not in ("save", "load"):
             raise UsageError("write %lab checkpoint save PATH or %lab checkpoint load PATH")
@@ -205,19 +198,19 @@ class LabMagics(Magics):
         lab.load(words[1])
         return None
 
-    def kill(self, words):
+    def kill(self, words: list[str]) -> None:
         lab = self._require_lab()
         if len(words) != 1 or not words[0].isdigit():
             raise UsageError("say which rank, e.g. %lab kill 1")
         print(lab.kill(int(words[0])))
         return None
 
-    def heal(self, words):
+    def heal(self, words: list[str]) -> Any:
         if words:
             raise UsageError("%lab heal takes no arguments")
         return self._require_lab().heal()
 
-    def slow(self, words):
+    def slow(self, words: list[str]) -> None:
         lab = self._require_lab()
         if len(words) != 2:
             raise UsageError("say which rank and how much slower, e.g. %lab slow 2 30ms (or %lab slow 2 off)")
@@ -228,7 +221,7 @@ class LabMagics(Magics):
         print(lab.slow(rank, duration(words[1])))
         return None
 
-    def seed(self, words):
+    def seed(self, words: list[str]) -> None:
         lab = self._require_lab()
         same = "--same" in words
         values = [word for word in words if word != "--same"]
@@ -238,9 +231,9 @@ class LabMagics(Magics):
         print(f"seeded torch, numpy and random on every rank: {'the same seed ' + str(seeds[0]) if same else seeds}")
         return None
 
-    def push(self, words):
+    def push(self, words: list[str]) -> None:
         options = self._push_parser.parse_args(words)
-        namespace = self.shell.user_ns
+        namespace = self._shell.user_ns
         missing = [name for name in options.names if name not in namespace]
         if missing:  # a mistake first, lab or not
             known = [name for name in namespace if not name.startswith("_")]
@@ -250,36 +243,37 @@ class LabMagics(Magics):
         self._require_lab().push({name: namespace[name] for name in options.names}, ranks=options.ranks)
         return None
 
-    def run_script(self, words):
+    def run_script(self, words: list[str]) -> None:
         lab = self._require_lab()
         options, words = split_run_words(words)
         if not words:
             raise UsageError("give the script, e.g. %lab run train.py --epochs 2")
+        ranks_text, timeout_text = options["--ranks"], options["--timeout"]
         try:
-            ranks = rank_list(options["--ranks"]) if options["--ranks"] else None
-            timeout = seconds(options["--timeout"]) if options["--timeout"] else None
+            ranks = rank_list(ranks_text) if ranks_text else None
+            timeout = seconds(timeout_text) if timeout_text else None
         except (ValueError, argparse.ArgumentTypeError) as error:
             raise UsageError(f"%lab run: {error}") from None
         lab.run_script(words[0], *words[1:], ranks=ranks, timeout=timeout)
         return None
 
-    def bench(self, words):
+    def bench(self, words: list[str]) -> Any:
         options = self._bench_parser.parse_args(words)
         lab = self._require_lab()
         return lab.bench_collective(options.operation, sizes=options.sizes, iterations=options.iters)
 
-    def mesh(self, words) -> MeshSpec:
+    def mesh(self, words: list[str]) -> MeshSpec:
         lab = self._require_lab()
         spec = MeshSpec.parse(" ".join(words), lab.world_size)
         return lab.mesh(**dict(zip(spec.names, spec.shape)))
 
-    def status(self, words):
+    def status(self, words: list[str]) -> Any:
         if self.lab is None:
             print("no lab yet: start one with %lab start 4")
             return None
         return self.lab.status()
 
-    def stop(self, words):
+    def stop(self, words: list[str]) -> None:
         if self.lab is None or not self.lab.running:
             print("no lab is running")
             return None
@@ -287,14 +281,14 @@ class LabMagics(Magics):
         print("lab stopped: no rank, controller or port left")
         return None
 
-    def restart(self, words):
+    def restart(self, words: list[str]) -> None:
         lab = self._require_lab()
         began = time.monotonic()
         lab.restart()
         print(f"{lab.plan.describe()}: restarted in {time.monotonic() - began:.1f} s")
         return None
 
-    def timeout(self, words):
+    def timeout(self, words: list[str]) -> None:
         lab = self._require_lab()
         if len(words) != 1:
             raise UsageError("give the limit in seconds, e.g. %lab timeout 60")
@@ -307,11 +301,11 @@ class LabMagics(Magics):
 
     # -- cells ------------------------------------------------------------
 
-    def _run_cell(self, line: str, cell: str):
+    def _run_cell(self, line: str, cell: str) -> None:
         lab = self._require_lab()
         options = self._cell_parser.parse_args(shlex.split(line))
         lab.run_cell(cell, ranks=options.ranks, timeout=options.timeout, show_values=True,
-                     cell=self.shell.execution_count)
+                     cell=self._shell.execution_count)
         return None
 
     # -- extension lifecycle ---------------------------------------------------

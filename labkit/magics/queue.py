@@ -6,16 +6,24 @@
         [--lr 0.003] [--seed 0]
         members trained apart on the queue, combined on held-out data (lab.ensemble)
 
-Kept apart from ``labkit.magics`` so each module stays small; both only parse
-and call the ``Lab``.
+Both read their words before the lab is asked for (``require_lab``), so a
+mistake is answered whether a lab runs or not.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
 from IPython.core.error import UsageError
 
-from labkit.magic_args import CommandParser
-from labkit.magic_help import command_parser
+from labkit.magics.parsing import CommandParser, command_parser
+from labkit.zoo.catalog import model_names
+
+if TYPE_CHECKING:
+    from labkit.lab import Lab
+
+ENSEMBLE_SETTINGS = ("lr", "seed", "timeout")  # passed only when given, so the defaults stay lab.ensemble's
 
 
 def tasks_parser() -> CommandParser:
@@ -31,7 +39,7 @@ def ensemble_parser() -> CommandParser:
     from labkit.runs.ensemble import COMBINES, VARIES  # numpy, only when an ensemble is asked for
 
     parser = command_parser("ensemble")
-    parser.add_argument("--model", default="gpt", choices=("gpt", "mlp"), help="the zoo model (default gpt)")
+    parser.add_argument("--model", default="gpt", choices=model_names(), help="the model (default gpt)")
     parser.add_argument("--members", type=int, default=4, help="members trained apart (default 4)")
     parser.add_argument("--steps", type=int, default=30, help="steps each member trains (default 30)")
     parser.add_argument("--vary", default="seed", choices=VARIES,
@@ -44,7 +52,7 @@ def ensemble_parser() -> CommandParser:
     return parser
 
 
-def tasks_command(require_lab, words: list[str], namespace: dict):
+def tasks_command(require_lab: Callable[[], Lab], words: list[str], namespace: dict[str, Any]) -> Any:
     """``require_lab()`` gives the running lab (or says how to start one), asked once the words are read."""
     options = tasks_parser().parse_args(words)
     lab = require_lab()
@@ -55,10 +63,10 @@ def tasks_command(require_lab, words: list[str], namespace: dict):
                      retries=options.retries)
 
 
-def ensemble_command(require_lab, words: list[str]):
+def ensemble_command(require_lab: Callable[[], Lab], words: list[str]) -> Any:
     options = vars(ensemble_parser().parse_args(words))
     lab = require_lab()
-    settings = {name: options.pop(name) for name in ("lr", "seed", "timeout") if options[name] is not None}
-    for name in ("lr", "seed", "timeout"):
+    settings = {name: options.pop(name) for name in ENSEMBLE_SETTINGS if options[name] is not None}
+    for name in ENSEMBLE_SETTINGS:
         options.pop(name, None)
     return lab.ensemble(**options, **settings)

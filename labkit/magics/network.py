@@ -3,18 +3,21 @@
     %lab start 4 --launcher mpi --launcher-option mpi_args='["-hosts", "a,b"]'
     %lab start 2 --controller-address 10.0.0.5 [--interface eth1] [--ranks-per-host 8] [--encrypt]
     %lab join-command      the one line that makes another machine's engine join this lab
-
-Kept apart from ``labkit.magics`` so each module stays small; both only parse
-and call the ``Lab``.
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from labkit.lab import Lab
+
+NETWORK_SETTINGS = ("controller_address", "interface", "ranks_per_host")  # Lab arguments passed only when given
 
 
-def _launcher_option(text: str) -> tuple[str, object]:
+def launcher_option(text: str) -> tuple[str, object]:
     """KEY=VALUE; the value as a Python literal (a list, a number, a dict) or else as text."""
     key, sep, value = text.partition("=")
     if not sep or not key.strip():
@@ -29,7 +32,7 @@ def _launcher_option(text: str) -> tuple[str, object]:
 def add_network_arguments(start: argparse.ArgumentParser) -> None:
     start.add_argument("--launcher", default="hosted", metavar="NAME",
                        help="ipyparallel engine launcher: hosted (the lab's own), mpi, ssh, slurm, ...")
-    start.add_argument("--launcher-option", type=_launcher_option, action="append", default=[],
+    start.add_argument("--launcher-option", type=launcher_option, action="append", default=[],
                        dest="launcher_options", metavar="KEY=VALUE", help="an option of the launcher (repeatable)")
     start.add_argument("--controller-address", metavar="A",
                        help="this machine's address that other hosts reach (default: loopback, one machine)")
@@ -38,11 +41,11 @@ def add_network_arguments(start: argparse.ArgumentParser) -> None:
     start.add_argument("--encrypt", action="store_true", help="CurveZMQ encryption on every ipyparallel socket")
 
 
-def network_settings(options) -> dict:
+def network_settings(options: argparse.Namespace) -> dict[str, Any]:
     """The ``Lab`` arguments the network options ask for (only those given, so defaults stay the Lab's)."""
-    settings = dict(options.launcher_options)
+    settings: dict[str, Any] = dict(options.launcher_options)
     settings["launcher"] = options.launcher
-    for name in ("controller_address", "interface", "ranks_per_host"):
+    for name in NETWORK_SETTINGS:
         if getattr(options, name) is not None:
             settings[name] = getattr(options, name)
     if options.encrypt:
@@ -50,7 +53,7 @@ def network_settings(options) -> dict:
     return settings
 
 
-def join_command_line(lab) -> None:
+def join_command_line(lab: Lab) -> None:
     """Print the join command, and what it does."""
     from labkit.cluster.join import reach_note
 

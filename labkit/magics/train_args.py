@@ -1,0 +1,67 @@
+"""``%lab train``'s options: the settings of ``Lab.train``, and each strategy's own from the catalog.
+
+Only the options given reach ``Lab.train`` (``argparse.SUPPRESS`` as the
+default), so its defaults apply; a new strategy brings its options with its
+catalog entry, with no change here.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from labkit.magics.parsing import CommandParser, command_parser
+from labkit.magics.values import name_values, seconds
+from labkit.strategies.catalog import settings_by_name, strategy_names
+from labkit.zoo.catalog import model_names
+
+
+def train_parser() -> CommandParser:
+    """``%lab train``'s parser: the lab's settings, then each strategy's own, one option each."""
+    train = command_parser("train", argument_default=argparse.SUPPRESS)
+    train.add_argument("--strategy", metavar="S", help=f"{', '.join(strategy_names())} or a composition like fsdp+tp "
+                                                       "(alone with --model: every one in turn)")
+    train.add_argument("--model", choices=model_names(), help="a model of the zoo or of an installed plugin")
+    train.add_argument("--steps", type=int, help="optimizer steps")
+    train.add_argument("--resume", action="store_true", help="continue the last run from where it stopped")
+    train.add_argument("--mesh", metavar="dp=2,tp=2", help="axis sizes for a composition")
+    train.add_argument("--batch", type=int, dest="global_batch", help="global batch (samples per step)")
+    train.add_argument("--micro-batches", type=int,
+                       help="accumulation steps; pipeline microbatches (default: the stages under pp, else 1)")
+    train.add_argument("--lr", type=float, help="learning rate")
+    train.add_argument("--optimizer", choices=("adamw", "sgd"), help="the optimizer")
+    train.add_argument("--seed", type=int, help="the run's seed (initial weights and data)")
+    train.add_argument("--max-memory", metavar="SIZE",
+                       help="per-rank budget for params + grads + optimizer state, e.g. 64MB")
+    train.add_argument("--verify", action="store_true", help="compare with single-process training")
+    train.add_argument("--precision", choices=("fp32", "bf16"),
+                       help="bf16: autocast (FSDP: its mixed-precision policy); fp32 keeps the equivalence proof")
+    train.add_argument("--tf32", action="store_true", help="TensorFloat-32 matrix products on NVIDIA GPUs")
+    train.add_argument("--peak-tflops", type=float, help="one device's peak TFLOP/s for MFU, where the lab has none")
+    train.add_argument("--log-every", type=int, help="steps between progress lines")
+    train.add_argument("--model-settings", type=name_values, metavar="dim=128,layers=8",
+                       help="the model's own settings (see labkit.zoo)")
+    train.add_argument("--timeout", type=seconds, metavar="S", help="limit for the run, seconds")
+    train.add_argument("--dashboard", action="store_true",
+                       help="draw it live and train in the background (Stop button; the cell returns the run)")
+    train.add_argument("--straggler-threshold", type=float,
+                       help="busy time against the median of like ranks that flags a straggler")
+    _add_strategy_settings(train)
+    return train
+
+
+def _add_strategy_settings(train: CommandParser) -> None:
+    """One option per strategy setting of the catalog, its help saying whose it is and its default."""
+    for name, (owner, setting) in settings_by_name().items():
+        said = setting.help if setting.help.lower().startswith(owner) else f"{owner}: {setting.help}"
+        if setting.default is True:
+            described = f"{said} (on unless this is given)"
+        elif setting.default is False:
+            described = said
+        else:
+            described = f"{said} (default {setting.default})"
+        if isinstance(setting.default, bool):
+            action = "store_false" if setting.default else "store_true"
+            train.add_argument(setting.option, dest=name, action=action, help=described)
+        else:
+            train.add_argument(setting.option, dest=name, type=type(setting.default),
+                               choices=setting.choices or None, help=described)

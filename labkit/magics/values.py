@@ -1,0 +1,75 @@
+"""The words of the ``%lab`` commands turned into values: time limits, rank lists, settings, sizes, durations.
+
+Each is an argparse ``type`` (a mistake raises ``ArgumentTypeError``, which the
+command's parser words as one line) or, for the commands whose few words are
+read by hand, raises the ``UsageError`` the notebook shows.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from IPython.core.error import UsageError
+
+from labkit.units import parse_duration, positive_seconds, power_of_two_range
+
+RUN_OPTIONS = ("--ranks", "--timeout")  # %lab run's own options, which stand before the script
+
+
+def seconds(text: str) -> float:
+    try:
+        return positive_seconds("a time limit", float(text))
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def rank_list(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"ranks are written 0,2,3; got {text!r}") from None
+
+
+def name_values(text: str) -> dict[str, int | str]:
+    """``dim=128,layers=8`` -> {"dim": 128, "layers": 8} (integers where they are integers)."""
+    settings: dict[str, int | str] = {}
+    for word in text.replace(" ", ",").split(","):
+        if not word:
+            continue
+        name, equals, value = word.partition("=")
+        if not equals:
+            raise argparse.ArgumentTypeError(f"write settings as name=value, got {word!r}")
+        settings[name] = int(value) if value.lstrip("-").isdigit() else value
+    return settings
+
+
+def size_range(text: str) -> list[int]:
+    """``1KB:16MB`` -> every power of two from 1 KiB to 16 MiB (see ``labkit.units``)."""
+    try:
+        return power_of_two_range(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def duration(text: str) -> float | None:
+    """``30ms`` -> 0.03, ``0.5s`` or ``0.5`` -> 0.5, ``off`` -> None."""
+    try:
+        return parse_duration(text)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+
+
+def split_run_words(words: list[str]) -> tuple[dict[str, str | None], list[str]]:
+    """``%lab run``'s words -> ({option: value}, [script, its arguments ...]): options stand before the script."""
+    options: dict[str, str | None] = dict.fromkeys(RUN_OPTIONS)
+    while words and words[0] in options:
+        if len(words) < 2:
+            raise UsageError(f"{words[0]} needs a value, e.g. %lab run --ranks 0,2 train.py")
+        options[words[0]], words = words[1], words[2:]
+    return options, words
+
+
+def run_own_words(words: list[str]) -> list[str]:
+    """The words of ``%lab run`` that are its own: its options and the word in the script's place."""
+    _, script = split_run_words(words)
+    return words[: len(words) - len(script) + 1]

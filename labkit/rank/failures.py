@@ -1,0 +1,73 @@
+"""How a rank tells of user work that failed: the kind of failure, the traceback from the user's code down, a hint.
+
+Runs in the engines: ``runtime.RankRuntime`` reports every error of user work
+with ``error_info``. The kind tells the notebook whether the rank failed on its
+own or because a peer did (``wire.schema.FailureKind``); the hint says what to do
+about errors that ranks make where a single process would not.
+"""
+
+from __future__ import annotations
+
+import re
+import traceback
+from collections.abc import Collection
+
+import torch.distributed as dist
+
+from labkit.wire.schema import ErrorInfo, FailureKind
+
+# Error text by which a rank knows it failed *because of another rank*: the peer
+# closed the connection (it failed first) or the collective timed out waiting.
+_COLLATERAL_MARKERS = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Timed out waiting",
+    "timed out",
+    "Broken pipe",
+    "NCCL communicator was aborted",
+)
+
+_FINGERPRINT = re.compile(r"Rank (\d+) is running collective: CollectiveFingerPrint\(SequenceNumber=(\d+), "
+                          r"OpType=(\w+), TensorShape=\[([^\]]*)\], TensorDtypes=(\w+)")
+
+
+def error_info(error: BaseException, own_files: Collection[str]) -> ErrorInfo:
+    """What a rank reports of ``error``; the traceback leaves out the leading frames of ``own_files`` (the lab's)."""
+    return {
+        "type": type(error).__name__,
+        "message": str(error),
+        "traceback": user_traceback(error, own_files) + hint(error),
+        "kind": classify_error(error),
+    }
+
+
+def classify_error(error: BaseException) -> str:
+    """'interrupted', 'collective' (failed because a peer failed or hung) or 'raised'."""
+    if isinstance(error, KeyboardInterrupt):
+        return FailureKind.INTERRUPTED
+    text = str(error)
+    distributed_error = isinstance(error, getattr(dist, "DistError", ())) or "gloo" in text or "c10d" in text
+    if distributed_error and any(marker in text for marker in _COLLATERAL_MARKERS):
+        return FailureKind.COLLECTIVE
+    return FailureKind.RAISED
+
+
+def hint(error: BaseException) -> str:
+    """What to do about an error that ranks make where a single process would not."""
+    calls = _FINGERPRINT.findall(str(error))
+    if calls:
+        said = "; ".join(f"rank {rank} calls {op.lower()} of shape [{shape}] ({dtype.lower()}), its collective "
+                         f"number {sequence}" for rank, sequence, op, shape, dtype in calls)
+        return f"Hint: the ranks called different collectives at the same point: {said}.\n"
+    if isinstance(error, NameError):
+        return ("Hint: each rank has its own namespace. Names the notebook defined or imported are not on the "
+                "ranks: import inside the function, or run the import in a %%lab cell first.\n")
+    return ""
+
+
+def user_traceback(error: BaseException, own_files: Collection[str]) -> str:
+    """The traceback from the user's code down, without the lab's own frames (those of ``own_files``) above it."""
+    tb = error.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename in own_files:
+        tb = tb.tb_next
+    return "".join(traceback.format_exception(type(error), error, tb))

@@ -1,0 +1,104 @@
+"""The model catalog: how a model is declared, and the models this process can train.
+
+A model is one declaration, ``ModelDeclaration``, in a module of its own (the
+zoo's are ``labkit/zoo/mlp.py`` and ``labkit/zoo/gpt.py``), named by an entry
+point of the ``labkit.models`` group (``labkit.zoo.plugins``): labkit's own
+``pyproject.toml`` names the zoo's, a package of yours names yours, and both
+are found the same way, in the notebook and on every rank, with no call.
+
+A declaration says, without importing torch: the model's name, its settings (a
+frozen dataclass: its fields are what ``model_settings`` may change, with their
+defaults; what it costs and which splits it refuses, ``model_protocol``), and
+how the ranks make the network, the data and the loss. Those three are plain
+functions that import torch when they run, on the ranks, so the notebook can
+read every declaration without torch. The network they make offers the
+strategies what ``model_protocol.Model`` describes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any, Callable, Generic, TypeVar
+
+from labkit.zoo.plugins import PluginError, PluginGroup
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from labkit.zoo.model_protocol import Batches
+
+S = TypeVar("S")  # a model's settings class
+
+
+@dataclass(frozen=True)
+class ModelDeclaration(Generic[S]):
+    """One model: its name, its settings, and how the ranks make it, its data and its loss."""
+
+    name: str
+    summary: str
+    settings: type[S]  # a frozen dataclass; ``model_settings=dict(...)`` overrides its fields
+    network: Callable[[S], nn.Module]  # the network for these settings (on the ranks: imports torch)
+    data: Callable[[S, int], Batches]  # (settings, seed) -> any step's global batch, the same everywhere
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (output, targets) -> mean loss over the samples
+    # Tokens in one sample, for a language model: the report's tokens per second (None: not counted).
+    tokens_per_sample: Callable[[S], int] | None = None
+    classifies: bool = False  # outputs are class scores (logits): an ensemble votes and scores accuracy
+    list_position: int = 100  # where it stands in lists and messages: lower first (then by name)
+
+    def settings_for(self, overrides: dict | None = None) -> S:
+        """The settings with ``overrides`` applied; unknown names refused, saying which are known."""
+        overrides = dict(overrides or {})
+        known = {field.name for field in fields(self.settings)}  # type: ignore[arg-type]  # S is a dataclass
+        wrong = sorted(set(overrides) - known)
+        if wrong:
+            raise ValueError(f"model {self.name!r} has no setting {', '.join(wrong)}; its settings are "
+                             f"{', '.join(sorted(known))}")
+        # A list (JSON, a magic's words) stands for a tuple: settings are frozen, and compared across runs.
+        return self.settings(**{key: tuple(value) if isinstance(value, list) else value
+                                for key, value in overrides.items()})
+
+    def build(self, settings: S, seed: int, device: str | torch.device = "cpu") -> nn.Module:
+        """The network with the same initial weights everywhere (every rank, the reference): seeded by ``seed``."""
+        import torch
+
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            with torch.device(device):
+                return self.network(settings)
+
+
+# What is installed is the process's own: one reader per process, as ``importlib`` keeps one module table.
+_MODELS: PluginGroup[ModelDeclaration[Any]] = PluginGroup("labkit.models", "model", ModelDeclaration)
+
+
+def model(name: str) -> ModelDeclaration[Any]:
+    """The declaration of model ``name``; PluginError (a ValueError) naming the known models when there is none."""
+    if not isinstance(name, str) or not _MODELS.knows(name):
+        raise PluginError(f"unknown model {name!r}: choose one of {', '.join(_MODELS.names())}. "
+                         f"{_MODELS.install_hint()}")
+    return _MODELS.get(name)
+
+
+def model_names() -> tuple[str, ...]:
+    """Every model this process can train, in list order."""
+    return _MODELS.names()
+
+
+def register_model(declaration: ModelDeclaration[Any]) -> None:
+    """Use a model declared in a running notebook, in this process (a lesson, a first try).
+
+    An installed package needs no call. One added this way must be added on
+    the ranks too (``lab.run(register_model, declaration)``), and its functions
+    importable there."""
+    _MODELS.add(declaration)
+
+
+def unregister_model(name: str) -> None:
+    """Forget a model ``register_model`` added in this process."""
+    _MODELS.remove(name)
+
+
+def refresh_models() -> None:
+    """Read the installed packages again on the next question (after one was uninstalled)."""
+    _MODELS.refresh()
