@@ -1,5 +1,5 @@
 """Cells that build distributed models on the lab's process groups, train them, and fail in every way a
-notebook user makes a cell fail; shared by tests/test_state_survives.py, tests/test_soak.py and
+notebook user makes a cell fail; shared by tests/lab/test_state_survives.py, tests/lab/test_soak.py and
 bench/recovery.py.
 
 ``BUILD`` defines, on every rank: ``build()`` (a DDP module, an FSDP2 model, a tensor-parallel module on a
