@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import functools
 import shlex
 import time
 from collections.abc import Callable
@@ -40,15 +41,36 @@ class LabMagics(Magics):
         super().__init__(shell)
         self._shell = shell  # also IPython's ``self.shell``, which its type leaves optional
         self.lab: Lab | None = None
-        self._start_parser, self._train_parser = start_parser(), train_parser()
-        self._bench_parser, self._push_parser, self._cell_parser = bench_parser(), push_parser(), cell_parser()
-        self._described = described_parsers()  # only for --help: those commands read their words by hand
+
+    # The parsers are made on first use: train's lists every installed strategy's settings, and reading
+    # the plugins' declarations would otherwise slow down %load_ext by tens of milliseconds.
+    @functools.cached_property
+    def _start_parser(self) -> CommandParser:
+        return start_parser()
+
+    @functools.cached_property
+    def _train_parser(self) -> CommandParser:
+        return train_parser()
+
+    @functools.cached_property
+    def _bench_parser(self) -> CommandParser:
+        return bench_parser()
+
+    @functools.cached_property
+    def _push_parser(self) -> CommandParser:
+        return push_parser()
+
+    @functools.cached_property
+    def _cell_parser(self) -> CommandParser:
+        return cell_parser()
+
+    @functools.cached_property
+    def _described(self) -> dict[str, CommandParser]:
+        return described_parsers()  # only for --help: those commands read their words by hand
 
     def _parser(self, command: str) -> CommandParser:
-        own = {"start": self._start_parser, "train": self._train_parser, "bench": self._bench_parser,
-               "push": self._push_parser}
-        if command in own:
-            return own[command]
+        if command in ("start", "train", "bench", "push"):
+            return getattr(self, f"_{command}_parser")
         if command == "tasks":
             return tasks_parser()
         if command == "ensemble":
