@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import importlib
 import threading
-from importlib.metadata import EntryPoint, entry_points
+from importlib.metadata import EntryPoint, distributions
 from typing import Callable, Generic, Protocol, TypeVar
 
 
@@ -44,6 +44,24 @@ class Declaration(Protocol):
 
 
 D = TypeVar("D", bound=Declaration)
+
+
+def _points_of(group: str) -> list[EntryPoint]:
+    """The group's entry points in every copy of every package's metadata on the path, first found first.
+
+    ``entry_points()`` keeps only the first copy of a package's metadata. An old ``labkit.egg-info`` left
+    in a checkout by an earlier install (before labkit declared its own strategies here) sits first on
+    the path wherever Python runs from the checkout, and would hide every built-in strategy and model.
+    A copy that declares a point adds it; one point declared alike by two copies counts once."""
+    found: list[EntryPoint] = []
+    seen: set[tuple[str, str, str]] = set()
+    for distribution in distributions():
+        for point in distribution.entry_points.select(group=group):
+            key = (point.name, point.value, _package(point))
+            if key not in seen:
+                seen.add(key)
+                found.append(point)
+    return found
 
 
 def _package(point: EntryPoint) -> str:
@@ -73,7 +91,7 @@ class PluginGroup(Generic[D]):
         if self._points is None:
             importlib.invalidate_caches()  # a folder put on sys.path, a package installed since the last read
             found: dict[str, list[EntryPoint]] = {}
-            for point in entry_points(group=self.group):
+            for point in _points_of(self.group):
                 found.setdefault(point.name, []).append(point)
             self._points = found
         return self._points

@@ -204,3 +204,13 @@ def test_a_package_installed_after_the_first_read_is_found(tmp_path):
         fake_distribution(tmp_path, "late-extras", {"labkit.strategies": {"late": "late_extras:STRATEGY"}},
                           {"late_extras": PACKAGED.format(name="late", summary="installed later")})
         assert strategy("late").summary == "installed later"  # an unknown name reads them again
+
+
+def test_an_old_copy_of_labkits_metadata_first_on_the_path_hides_no_built_in(tmp_path):
+    # What an earlier install leaves in a checkout: labkit's metadata with no strategies or models,
+    # first on the path wherever Python runs from there. The installed copy's declarations still count.
+    fake_distribution(tmp_path, "labkit", {"console_scripts": {"labkit": "labkit.__main__:main"}})
+    with on_path(tmp_path):
+        assert importlib.metadata.entry_points(group="labkit.strategies").names == set()  # what it hides
+        assert strategy_names()[:3] == ("ddp", "fsdp", "tp") and "gpt" in model_names()
+        assert strategy("ddp").name == "ddp"
