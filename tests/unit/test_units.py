@@ -6,7 +6,7 @@ import math
 import pytest
 from IPython.core.error import UsageError
 
-from labkit.magics.values import duration as _duration, name_values as _settings, size_range as _size_range
+from labkit.magics.values import duration, name_values, size_range
 from labkit.units import (
     format_binary,
     format_bytes,
@@ -41,13 +41,13 @@ def test_sizes_that_are_not_positive_integers_are_refused(value):
 def test_train_and_magics_read_a_size_the_same_way():
     # The bench's message sizes are powers of two: 4MB (4,000,000) rounds to 4 MiB, the nearest one.
     assert power_of_two_range("4KB:4MB") == [2**p for p in range(12, 23)]
-    assert _size_range("4KiB:4MiB") == power_of_two_range("4KB:4MB")
-    assert _size_range("512:2KB") == [512, 1024, 2048]
-    assert _size_range("64KB") == [65536]
+    assert size_range("4KiB:4MiB") == power_of_two_range("4KB:4MB")
+    assert size_range("512:2KB") == [512, 1024, 2048]
+    assert size_range("64KB") == [65536]
     with pytest.raises(argparse.ArgumentTypeError, match="64MB"):
-        _size_range("lots")
+        size_range("lots")
     with pytest.raises(argparse.ArgumentTypeError, match="ends below"):
-        _size_range("4MB:4KB")
+        size_range("4MB:4KB")
 
 
 def test_formatting():
@@ -62,9 +62,9 @@ def test_durations():
     for bad in ("soon", "inf", "-3s", "nan"):
         with pytest.raises(ValueError, match="30ms|finite"):
             parse_duration(bad)
-    assert _duration("30ms") == pytest.approx(0.03)
+    assert duration("30ms") == pytest.approx(0.03)
     with pytest.raises(UsageError, match="30ms"):
-        _duration("soon")
+        duration("soon")
 
 
 @pytest.mark.parametrize("value", [0, -1, math.inf, math.nan, True, "5"])
@@ -75,7 +75,7 @@ def test_time_limits_must_be_positive_and_finite(value):
 
 
 def test_model_settings():
-    assert _settings("dim=128,layers=8") == {"dim": 128, "layers": 8}
-    assert _settings("dims=64") == {"dims": 64}
+    assert name_values("dim=128,layers=8") == {"dim": 128, "layers": 8}
+    assert name_values("dims=64") == {"dims": 64}
     with pytest.raises(argparse.ArgumentTypeError, match="name=value"):
-        _settings("dim")
+        name_values("dim")

@@ -11,7 +11,7 @@ import pytest
 from labkit.cluster.join import decode_token, encode_token
 from labkit.cluster.launchers import choose_launcher
 from labkit.cluster.placement import DeviceError, check_host_places, host_layout, plan_ranks
-from labkit.magics.network import add_network_arguments, launcher_option as _launcher_option, network_settings
+from labkit.magics.network import add_network_arguments, launcher_option, network_settings
 from labkit.spec.errors import LabConfigError
 from labkit.spec.network import (NetworkError, address_of, check_ipv4, interface_of, ipv4_addresses,
                                  place_on_network, source_address)
@@ -125,6 +125,6 @@ def test_start_options_for_other_machines_parse_into_lab_arguments():
     assert network_settings(options) == {"launcher": "mpi", "mpi_args": ["-n", "2"], "stop_timeout": 5,
                                          "controller_address": "10.0.0.5", "encrypt": True}
     assert network_settings(parser.parse_args([])) == {"launcher": "hosted"}
-    assert _launcher_option("engine_cmd=ipengine") == ("engine_cmd", "ipengine")  # not a literal: text
+    assert launcher_option("engine_cmd=ipengine") == ("engine_cmd", "ipengine")  # not a literal: text
     with pytest.raises(argparse.ArgumentTypeError, match="KEY=VALUE"):
-        _launcher_option("mpi_args")
+        launcher_option("mpi_args")

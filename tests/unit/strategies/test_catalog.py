@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from labkit.magics.train_args import train_parser as _train_parser
+from labkit.magics.train_args import train_parser
 from labkit.runs.budget import sharded_estimates  # noqa: F401 - imports the catalog's consumer
 from labkit.spec.train_config import resolve, user_settings
 from labkit.strategies.catalog import (
@@ -100,7 +100,7 @@ def test_setting_names_do_not_collide():
 
 
 def test_the_magics_offer_every_catalog_setting():
-    parser = _train_parser()
+    parser = train_parser()
     offered = {action.dest: action for action in parser._actions}
     for name, (owner, setting) in settings_by_name().items():
         assert name in offered, f"%lab train has no option for {owner}'s {name}"

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from labkit.magics.train_args import train_parser as _train_parser
+from labkit.magics.train_args import train_parser
 from labkit.rank import verify
 from labkit.spec.train_config import resolve
 from labkit.strategies import diloco, diloco_outer
@@ -20,7 +20,7 @@ def test_settings_defaults_meshes_and_magic_options():
     given = resolve(4, strategy="fsdp+diloco", mesh=dict(replica=2, dp=2), global_batch=8)
     assert given.data_parts == 4 and given.mesh_names == ("replica", "dp")
     assert {"diloco", "ddp+diloco", "fsdp+diloco", "diloco+pp", "diloco+tp"} <= set(compositions(4))
-    parsed = vars(_train_parser().parse_args(
+    parsed = vars(train_parser().parse_args(
         ["--strategy", "diloco", "--inner-steps", "5", "--outer-lr", "0.5", "--outer-momentum", "0"]))
     assert parsed == {"strategy": "diloco", "inner_steps": 5, "outer_lr": 0.5, "outer_momentum": 0.0}
     plain = resolve(4, strategy="diloco", outer_momentum=0)

@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from labkit.magics.train_args import train_parser as _train_parser
+from labkit.magics.train_args import train_parser
 from labkit.spec.train_config import resolve
 from labkit.strategies.catalog import compositions, role_of
 from labkit.strategies.ps_gate import StalenessGate, shard_bounds, staleness_bound
@@ -105,7 +105,7 @@ def test_bad_settings_are_refused_before_any_rank_works(settings, message):
 
 
 def test_the_magics_offer_the_settings():
-    given = vars(_train_parser().parse_args(["--strategy", "ps", "--servers", "2", "--staleness", "1"]))
+    given = vars(train_parser().parse_args(["--strategy", "ps", "--servers", "2", "--staleness", "1"]))
     assert given == {"strategy": "ps", "servers": 2, "staleness": 1}
 
 
