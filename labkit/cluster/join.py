@@ -27,8 +27,8 @@ import tempfile
 
 from labkit.spec.errors import LabConfigError
 from labkit.spec.network import LOOPBACK_ADDRESS, ipv4_addresses
+from labkit.wire.entry import STARTUP_COMMAND
 
-ENGINE_STARTUP = "__import__('labkit.wire.entry').rank.entry.install()"
 REGISTRATION_SECONDS = 20.0  # a controller across a network may answer slowly; a stale command fails then
 REGISTRATION_FAILED = 255  # ipyparallel's engine exits so when the controller never answered
 
@@ -67,7 +67,7 @@ def reach_note(cluster) -> str | None:
 
 def engine_command(profile_dir: str) -> list[str]:
     return [sys.executable, "-m", "ipyparallel.engine", f"--profile-dir={profile_dir}",
-            "--IPEngine.enable_nanny=True", f"--IPEngine.startup_command={ENGINE_STARTUP}",
+            "--IPEngine.enable_nanny=True", f"--IPEngine.startup_command={STARTUP_COMMAND}",
             f"--IPEngine.timeout={REGISTRATION_SECONDS}", "--log-level=WARN"]
 
 

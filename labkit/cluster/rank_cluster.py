@@ -39,9 +39,9 @@ from labkit.cluster.launchers import LauncherChoice, choose_launcher
 from labkit.cluster.placement import RankPlan
 from labkit.cluster.workdir import WORKDIR_PREFIX, owner_only, remove_stale_workdirs, write_owner
 from labkit.spec.errors import LabError, StartupError, format_ranks
+from labkit.wire.entry import STARTUP_COMMAND
 from labkit.wire.rank_settings import RankSettings
 
-_ENGINE_STARTUP = "__import__('labkit.wire.entry').rank.entry.install()"
 HEARTBEAT_MS = 200
 JOINED_SHUTDOWN_SECONDS = 3.0  # engines elsewhere that do not answer end by themselves (missed heartbeats)
 
@@ -163,7 +163,7 @@ class RankCluster:
             # The lab's own engines are signalled through their launcher (one process each); engines
             # elsewhere through ipyparallel's nanny beside each, which also reports their exit at once.
             f"--IPEngine.enable_nanny={not self.launcher.hosted}",
-            f"--IPEngine.startup_command={_ENGINE_STARTUP}",
+            f"--IPEngine.startup_command={STARTUP_COMMAND}",
             "--log-level=WARN",
         ]
 

@@ -1,6 +1,6 @@
 """Send one piece of work to some ranks and get every rank's report back, in bounded time.
 
-The work is one ``rank.entry`` entry point applied on each rank. While it runs,
+The work is one ``wire.entry`` entry point applied on each rank. While it runs,
 the ranks' output is shown live. When it ends, every rank has a report: the
 runtime's own dict, or one made here for a rank that hung, died or was
 interrupted. How a stuck rank is brought back, in order:

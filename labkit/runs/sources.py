@@ -1,6 +1,6 @@
 """The notebook's side of sending code to the ranks: scripts to run, and the source of notebook functions.
 
-A script's source travels to the ranks with the work (``rank.entry.run_script``),
+A script's source travels to the ranks with the work (``wire.entry.run_script``),
 so what runs is what the notebook read, whatever the ranks' working folder. A
 function defined in a notebook cell has no file the ranks could read its lines
 from; its cell's lines travel with it, so a traceback on a rank shows them.

@@ -1,6 +1,6 @@
 """A training run in flight: live metrics, an optional dashboard, a clean stop.
 
-``Lab.train`` makes one. It sends ``rank.entry.train`` to every rank and, while the
+``Lab.train`` makes one. It sends ``wire.entry.train`` to every rank and, while the
 ranks work, reads the windows of step rows they publish (``ipyparallel``'s
 ``AsyncResult.data``) into a ``MetricsTable`` that the ``Dashboard`` draws. In
 the background (``background=True``) the waiting happens on a thread of its
@@ -175,7 +175,7 @@ class TrainingRun:
                         self.dashboard is not None, self.timeout, self.straggler_threshold))
                     break
             if self.error is None:
-                # What rank.entry.train returns on each rank: its RankResult.
+                # What wire.entry.train returns on each rank: its RankResult.
                 results = [cast(RankResult, reports[rank]["value"]) for rank in range(self.session.world_size)]
                 for result in results:
                     self.table.merge_rows(result["rows"])

@@ -15,6 +15,8 @@ from labkit.wire.rank_settings import RankSettings
 
 
 RANK_RUNTIME_MODULE = "labkit.rank.runtime"  # the rank's code: torch and every module a rank runs
+# What an engine started by another launcher (MPI, SSH, Slurm) or joined from elsewhere runs first.
+STARTUP_COMMAND = "__import__('labkit.wire.entry').wire.entry.install()"
 SLOT_VARIABLE = "LABKIT_SLOT"  # how an engine came: "rank3" (the lab's own launcher), "set:ranks2", "joined"
 
 

@@ -1,6 +1,6 @@
 """The per-rank memory budget's verdict and refusal message: pure, no ranks.
 
-Estimates are the dicts ``rank.entry.estimate_memory`` returns, made by hand so
+Estimates are the dicts ``wire.entry.estimate_memory`` returns, made by hand so
 every byte in the message can be predicted.
 """
 
