@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import difflib
-import functools
 import shlex
 import time
 from collections.abc import Callable
@@ -19,6 +18,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 
 from labkit.lab import Lab
+from labkit.magics.commands import CELL
 from labkit.magics.help import described_parsers, overview
 from labkit.magics.link import link_command
 from labkit.magics.network import join_command_line, network_settings
@@ -32,6 +32,10 @@ from labkit.spec.mesh import MeshSpec
 if TYPE_CHECKING:
     from IPython.core.interactiveshell import InteractiveShell
 
+# Commands whose parser reads their words (the others' parsers only describe them, for --help).
+_OWN_PARSERS: dict[str, Callable[[], CommandParser]] = {
+    "start": start_parser, "train": train_parser, "bench": bench_parser, "push": push_parser, CELL: cell_parser}
+
 
 @magics_class
 class LabMagics(Magics):
@@ -41,41 +45,20 @@ class LabMagics(Magics):
         super().__init__(shell)
         self._shell = shell  # also IPython's ``self.shell``, which its type leaves optional
         self.lab: Lab | None = None
-
-    # The parsers are made on first use: train's lists every installed strategy's settings, and reading
-    # the plugins' declarations would otherwise slow down %load_ext by tens of milliseconds.
-    @functools.cached_property
-    def _start_parser(self) -> CommandParser:
-        return start_parser()
-
-    @functools.cached_property
-    def _train_parser(self) -> CommandParser:
-        return train_parser()
-
-    @functools.cached_property
-    def _bench_parser(self) -> CommandParser:
-        return bench_parser()
-
-    @functools.cached_property
-    def _push_parser(self) -> CommandParser:
-        return push_parser()
-
-    @functools.cached_property
-    def _cell_parser(self) -> CommandParser:
-        return cell_parser()
-
-    @functools.cached_property
-    def _described(self) -> dict[str, CommandParser]:
-        return described_parsers()  # only for --help: those commands read their words by hand
+        self._parsers: dict[str, CommandParser] = {}
 
     def _parser(self, command: str) -> CommandParser:
-        if command in ("start", "train", "bench", "push"):
-            return getattr(self, f"_{command}_parser")
+        """``command``'s parser (``CELL`` for ``%%lab``), made on first use and kept: train's lists every
+        installed strategy's settings, and reading the plugins' declarations at %load_ext would slow it down."""
         if command == "tasks":
             return tasks_parser()
         if command == "ensemble":
             return ensemble_parser()
-        return self._described[command]
+        if command not in self._parsers:
+            make = _OWN_PARSERS.get(command)
+            # The others only describe commands read by hand, for their --help: made together.
+            self._parsers.update({command: make()} if make is not None else described_parsers())
+        return self._parsers[command]
 
     # -- dispatch -------------------------------------------------------------
 
@@ -108,7 +91,7 @@ class LabMagics(Magics):
         """
         if cell is not None:
             if asks_for_help(shlex.split(line)):  # help only: the cell does not run
-                self._cell_parser.print_help()
+                self._parser(CELL).print_help()
                 return None
             return self._run_cell(line, cell)
         words = shlex.split(line)
@@ -167,7 +150,7 @@ class LabMagics(Magics):
     # -- commands ---------------------------------------------------------
 
     def start(self, words: list[str]) -> None:
-        options = self._start_parser.parse_args(words)
+        options = self._parser("start").parse_args(words)
         wanted = dict(ranks=options.ranks, backend=options.backend, threads_per_rank=options.threads,
                       oversubscribe=options.oversubscribe, check_collectives=options.check_collectives,
                       **network_settings(options))
@@ -200,7 +183,7 @@ class LabMagics(Magics):
         return None
 
     def train(self, words: list[str]) -> Any:
-        options = vars(self._train_parser.parse_args(words))  # mistakes first, lab or not
+        options = vars(self._parser("train").parse_args(words))  # mistakes first, lab or not
         lab = self._require_lab()
         mesh_text = options.pop("mesh", None)
         mesh = None
@@ -254,7 +237,7 @@ class LabMagics(Magics):
         return None
 
     def push(self, words: list[str]) -> None:
-        options = self._push_parser.parse_args(words)
+        options = self._parser("push").parse_args(words)
         namespace = self._shell.user_ns
         missing = [name for name in options.names if name not in namespace]
         if missing:  # a mistake first, lab or not
@@ -280,7 +263,7 @@ class LabMagics(Magics):
         return None
 
     def bench(self, words: list[str]) -> Any:
-        options = self._bench_parser.parse_args(words)
+        options = self._parser("bench").parse_args(words)
         lab = self._require_lab()
         return lab.bench_collective(options.operation, sizes=options.sizes, iterations=options.iters)
 
@@ -325,7 +308,7 @@ class LabMagics(Magics):
 
     def _run_cell(self, line: str, cell: str) -> None:
         lab = self._require_lab()
-        options = self._cell_parser.parse_args(shlex.split(line))
+        options = self._parser(CELL).parse_args(shlex.split(line))
         lab.run_cell(cell, ranks=options.ranks, timeout=options.timeout, show_values=True,
                      cell=self._shell.execution_count)
         return None
