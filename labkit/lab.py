@@ -218,11 +218,9 @@ class Lab:
     def run(self, fn, *args, ranks=None, timeout: float | None = None, **kwargs) -> list:
         """Call ``fn(*args, **kwargs)`` on every rank (or ``ranks``: one, or a list); the results in rank order.
 
-        ``fn`` runs with the rank's namespace as its globals when it was defined
-        in the notebook, so ``rank``, ``world_size``, ``mesh``, ``dist`` work in it.
-        ``timeout`` (seconds, default ``lab.timeout``) bounds the whole call. ``ranks`` and
-        ``timeout`` are ``run``'s own: ``fn``'s keyword arguments cannot have those names.
-        """
+        ``fn`` runs with the rank's namespace as its globals when it was defined in the notebook, so ``rank``,
+        ``world_size``, ``mesh``, ``dist`` work in it. ``timeout`` (seconds, default ``lab.timeout``) bounds the
+        whole call. ``ranks`` and ``timeout`` are ``run``'s own: ``fn``'s keyword arguments cannot have them."""
         return run_on(self.session, ranks, fn, args, kwargs, timeout)
 
     def push(self, values: dict | None = None, /, ranks=None, **named) -> None:
@@ -238,11 +236,9 @@ class Lab:
     ) -> list:
         """Run notebook code on the ranks (all, or ``ranks``); output is labelled by rank.
 
-        Returns the repr of each rank's last expression (None where there is none);
-        ``show_values`` also prints them as ``[rank r] Out: ...``, as ``%%lab`` does.
-        ``live`` forces (True) or avoids (False) the redrawn notebook display.
-        ``cell``: the execution count of the ``%%lab`` cell ``code`` is from (tracebacks name ``In[cell]``).
-        """
+        Returns the repr of each rank's last expression (None where there is none); ``show_values`` also prints
+        them as ``[rank r] Out: ...``, as ``%%lab`` does. ``live`` forces (True) or avoids (False) the redrawn
+        display. ``cell``: the execution count of the ``%%lab`` cell ``code`` is from (tracebacks name it)."""
         # The ranks are named after the heal that comes first (it may renumber them).
         reports = self.session.execute(ranks, entry.run_cell, (code, cell), timeout, live=live, show_values=show_values)
         return [reports[rank].get("display") for rank in sorted(reports)]
@@ -287,9 +283,11 @@ class Lab:
     def train(
         self,
         strategy: str | None = None,
-        model: str | None = None,
+        model=None,
         steps: int | None = None,
         mesh: dict | None = None,
+        data=None,
+        loss=None,
         resume: bool = False,
         timeout: float | None = None,
         dashboard: bool = False,
@@ -297,31 +295,26 @@ class Lab:
         straggler_threshold: float = DEFAULT_THRESHOLD,
         **settings,
     ):
-        """Train a model of the zoo or of an installed plugin on every rank under ``strategy``.
+        """Train a model of the zoo, of an installed plugin, or your own, on every rank under ``strategy``.
 
-        strategy: ddp (default), fsdp, tp, pp, or a composition such as fsdp+tp, ddp+pp, pp+tp (an installed
-        plugin's strategies too).
-        steps: 20 by default.
-        model: 'mlp' (default), 'gpt', or an installed plugin's model (``model_settings=dict(dim=128, layers=8)``
-        resizes it).
-        resume: continue the last run for ``steps`` more steps, from the model, optimizer, data position and
-        random state the ranks kept; its settings carry over, and only its length and reporting may change. The
-        result is the same as one run of all the steps.
-        mesh: axis sizes for a composition, e.g. ``dict(dp=2, tp=2)`` (default: the
-        lab's mesh when its axes fit, else the most even split that fits; it says which).
-        dashboard: draw throughput, compute/communication, collectives, loss and stragglers live. background:
-        return a ``TrainingRun`` at once (``run.wait()`` gives the report; ``run.stop()`` or the Stop button ends
-        it at a step boundary); otherwise block and return the ``TrainReport``.
+        strategy: ddp (default), fsdp, tp, pp, diloco, ps, or a composition (fsdp+tp, ddp+pp, pp+tp...). steps: 20.
+        model: 'mlp' (default), 'gpt', an installed plugin's model (``model_settings`` resizes it), or your own: a
+        class or function of no arguments making an ``nn.Module``, with ``data`` (a map-style ``Dataset``, or
+        ``(step, generator) -> batch``) and ``loss`` (``(output, batch) -> scalar``; default cross-entropy); for
+        splits: ``fsdp_units``, ``tp_plan``, ``pp_split`` (docs/own-model.md).
+        resume: continue the last run for ``steps`` more steps from the model, optimizer, data position and random
+        state the ranks kept (only its length and reporting may change): the same as one run of all the steps.
+        mesh: axis sizes for a composition, e.g. ``dict(dp=2, tp=2)`` (default: the lab's mesh when its axes fit,
+        else the most even split that fits; it says which). dashboard: throughput, compute/communication, loss and
+        stragglers live. background: return a ``TrainingRun`` at once (``wait()``, ``stop()``); else the report.
         straggler_threshold: busy time against the median of like ranks that flags one.
-        settings: global_batch, micro_batches (accumulation; pipeline microbatches, by default one per stage),
-        lr, optimizer ('adamw' or 'sgd'), seed, bucket_cap_mb (ddp), reshard_after_forward (fsdp),
-        sequence_parallel (tp), schedule ('gpipe' or '1f1b'), max_memory (e.g. '64MB' per rank for parameters,
-        gradients and optimizer state), verify (compare with single-process training, float32 only), log_every,
-        instruments (False: measure nothing), precision ('fp32' or 'bf16'), tf32 (NVIDIA GPUs), peak_tflops (one
-        device's peak, for MFU where the lab knows none).
-        Everything is checked before any rank does work.
+        settings: global_batch, micro_batches, lr, optimizer ('adamw' or 'sgd'), seed, each strategy's own
+        (bucket_cap_mb, reshard_after_forward, sequence_parallel, schedule, ...), max_memory (e.g. '64MB' per rank),
+        verify (compare with single-process training), log_every, instruments, precision ('fp32' or 'bf16'), tf32,
+        peak_tflops, checkpoint_every, checkpoint_dir, auto_heal. Everything is checked before any rank works.
         """
-        run = launch_training(self.session, dict(strategy=strategy, model=model, steps=steps, **settings), mesh,
+        run = launch_training(self.session, dict(strategy=strategy, model=model, steps=steps, data=data, loss=loss,
+                                                 **settings), mesh,
                               self.session.limit(timeout), dashboard, background, straggler_threshold, resume)
         return run if background else run.wait()
 
@@ -344,6 +337,13 @@ class Lab:
         return heal_and_go_on(self.session)
 
     # -- checkpoints ------------------------------------------------------
+
+    def model_state(self, timeout: float | None = None) -> dict:
+        """The last run's model, whole, as a state dict in the notebook (for ``net.load_state_dict``), gathered
+        from however the run split it; every rank takes part."""
+        from labkit.runs.checkpoints import model_state
+
+        return model_state(self.session, self.session.limit(timeout))
 
     def save(self, path: str, timeout: float | None = None) -> str:
         """Save the training state the ranks hold (model, optimizer, step, data position, random

@@ -9,7 +9,8 @@ from __future__ import annotations
 SUMMARIES = {  # in the order %lab --help lists them
     "start": "start N ranks; run again, it reuses a healthy lab with the same settings or replaces it",
     "mesh": "build a named device mesh on every rank and draw it (lab.mesh)",
-    "train": "train a zoo model under a strategy; each option is a setting of lab.train",
+    "train": "train a zoo model, or your own (--model MyNet --data train_set), under a strategy; each option is a "
+             "setting of lab.train",
     "slow": "make a rank busy-wait that much longer each training step: a straggler on demand (lab.slow)",
     "link": "a simulated slow network between the ranks: set it, remove it (off) or, alone, show it (lab.link)",
     "seed": "seed torch, numpy and random on every rank: S + rank, or S everywhere with --same (lab.seed)",

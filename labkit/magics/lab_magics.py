@@ -25,7 +25,7 @@ from labkit.magics.network import join_command_line, network_settings
 from labkit.magics.parsers import bench_parser, cell_parser, push_parser, start_parser
 from labkit.magics.parsing import HELP_WORDS, CommandParser, HelpShown, asks_for_help, unknown_word
 from labkit.magics.queue import ensemble_command, ensemble_parser, tasks_command, tasks_parser
-from labkit.magics.train_args import train_parser
+from labkit.magics.train_args import notebook_values, train_parser
 from labkit.magics.values import duration, rank_list, run_own_words, seconds, split_run_words
 from labkit.spec.mesh import MeshSpec
 
@@ -73,6 +73,8 @@ class LabMagics(Magics):
         %lab train --strategy fsdp --model gpt --steps 50 [--mesh dp=2,tp=2] [--verify] [--max-memory 64MB]
             [--precision bf16] [--tf32] [--peak-tflops T]
             [--dashboard]   (live dashboard, runs in the background; returns the run)
+        %lab train --model MyNet --data train_set [--loss my_loss] [--pp-split blocks.4] [--tp-plan plan]
+            (your own model, data and loss: names the notebook defines)
         %lab slow RANK 30ms | %lab slow RANK off      (a straggler on demand)
         %lab link [100Mbit] [20ms] | %lab link off | %lab link   (a simulated slow network; alone: show it)
         %lab seed S [--same]    seed torch, numpy, random on every rank: S + rank (S everywhere with --same)
@@ -184,6 +186,10 @@ class LabMagics(Magics):
 
     def train(self, words: list[str]) -> Any:
         options = vars(self._parser("train").parse_args(words))  # mistakes first, lab or not
+        try:
+            options = notebook_values(options, self._shell.user_ns)
+        except ValueError as error:
+            raise UsageError(str(error)) from None
         lab = self._require_lab()
         mesh_text = options.pop("mesh", None)
         mesh = None

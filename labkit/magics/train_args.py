@@ -8,6 +8,7 @@ catalog entry, with no change here.
 from __future__ import annotations
 
 import argparse
+import difflib
 
 from labkit.magics.parsing import CommandParser, command_parser
 from labkit.magics.values import name_values, seconds
@@ -20,7 +21,19 @@ def train_parser() -> CommandParser:
     train = command_parser("train", argument_default=argparse.SUPPRESS)
     train.add_argument("--strategy", metavar="S", help=f"{', '.join(strategy_names())} or a composition like fsdp+tp "
                                                        "(alone with --model: every one in turn)")
-    train.add_argument("--model", choices=model_names(), help="a model of the zoo or of an installed plugin")
+    train.add_argument("--model", metavar="NAME",
+                       help=f"{', '.join(model_names())} (the zoo's or an installed plugin's), or the name of your own "
+                            "model class (or function returning one) in the notebook")
+    train.add_argument("--data", metavar="NAME", help="your own model's data: a Dataset or a function "
+                                                      "(step, generator) -> batch in the notebook, by name")
+    train.add_argument("--loss", metavar="NAME", help="your own model's loss: a function (output, batch) -> "
+                                                      "scalar in the notebook, by name (default: cross-entropy)")
+    train.add_argument("--tp-plan", metavar="NAME", help="your own model's tensor-parallel plan: a dict in the "
+                                                         "notebook, by name")
+    train.add_argument("--pp-split", type=_names, metavar="blocks.4,blocks.8",
+                       help="your own model: the modules where each pipeline stage after the first starts")
+    train.add_argument("--fsdp-units", type=_names, metavar="Block",
+                       help="your own model: the classes FSDP shards as units of their own")
     train.add_argument("--steps", type=int, help="optimizer steps")
     train.add_argument("--resume", action="store_true", help="continue the last run from where it stopped")
     train.add_argument("--mesh", metavar="dp=2,tp=2", help="axis sizes for a composition")
@@ -47,6 +60,30 @@ def train_parser() -> CommandParser:
                        help="busy time against the median of like ranks that flags a straggler")
     _add_strategy_settings(train)
     return train
+
+
+def _names(text: str) -> list[str]:
+    return [name.strip() for name in text.split(",") if name.strip()]
+
+
+def notebook_values(options: dict, namespace: dict) -> dict:
+    """``--model``, ``--data``, ``--loss`` and ``--tp-plan`` as the notebook's values they name (a catalog
+    model's name stays a name); an unknown name refused, saying what is known."""
+    resolved = dict(options)
+    for option in ("model", "data", "loss", "tp_plan"):
+        name = options.get(option)
+        if name is None or (option == "model" and name in model_names()):
+            continue
+        if name not in namespace:
+            zoo = list(model_names()) if option == "model" else []
+            known = f"the zoo's {' or '.join(zoo)}, or " if zoo else ""
+            close = difflib.get_close_matches(name, zoo + [key for key in namespace if not key.startswith("_")], n=1)
+            meant = f"did you mean {close[0]!r}? " if close else ""
+            flag = option.replace("_", "-")
+            raise ValueError(f"--{flag}: the notebook has no {name!r}; {meant}give {known}a name the notebook "
+                             f"defines (see %lab train --help)")
+        resolved[option] = namespace[name]
+    return resolved
 
 
 def _add_strategy_settings(train: CommandParser) -> None:

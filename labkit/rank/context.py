@@ -38,6 +38,8 @@ class RankContext:
         self.formation = 0  # the generation the world was last formed in (a rebuild in place keeps it)
         self.meshes: dict[tuple[Any, ...], Any] = {}  # (shape, names, instrumented) -> DeviceMesh of this group
         self.train_state: TrainState | None = None  # the last run's, until the group changes
+        # The user's own model, data and loss last built from what the notebook sent: (fingerprint, parts).
+        self.own_built: tuple[str, dict] | None = None
 
     def mesh_for(self, shape, names, instrumented: bool = True):
         """A device mesh of this shape, built once per process group (building one creates groups).

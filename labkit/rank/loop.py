@@ -31,16 +31,17 @@ from labkit.rank.instruments.run_instruments import instruments_for
 from labkit.rank.instruments.step_timer import StepTimer
 from labkit.rank.lab_traffic import control_tensor
 from labkit.rank.memory import estimated_bytes, local_bytes, memory_bytes
+from labkit.rank.own_model import trainable_for
 from labkit.rank.periodic_checkpoints import PeriodicCheckpoints
 from labkit.rank.state import state_for
 from labkit.spec.train_config import OPTIMIZERS, TrainConfig
 from labkit.strategies.catalog import DATA_AXES, strategy
 from labkit.strategies.compose import ParallelModel, shard_for_memory_estimate
+from labkit.torch_support import batches
 from labkit.torch_support.host_staging import PinnedStaging
 from labkit.torch_support.optimizers import make_optimizer
 from labkit.wire.current import this_rank
 from labkit.wire.schema import MemoryBytes, RankResult
-from labkit.zoo.catalog import model
 
 
 @contextlib.contextmanager
@@ -65,10 +66,10 @@ def batch_staging(device: torch.device) -> PinnedStaging | None:
     return PinnedStaging(device) if device.type == "cuda" else None
 
 
-def to_device(tensors, staging: PinnedStaging | None) -> tuple[torch.Tensor, ...]:
+def to_device(batch, staging: PinnedStaging | None):
     """A batch on the rank's device: as it is on the host; to a GPU through the run's pinned buffers,
     without waiting (a copy from pageable memory makes the CPU wait for the GPU to reach it)."""
-    return tuple(tensors) if staging is None else staging.to_device(tensors)
+    return batch if staging is None else batches.to_device(batch, staging.to_device)
 
 
 def _coordinate(mesh, config: TrainConfig) -> dict[str, int]:
@@ -155,7 +156,7 @@ def _train(config: TrainConfig, runtime: RankContext) -> RankResult:
     state = state_for(config, runtime, make_optimizer)
     parallel, optimizer, mesh = state.parallel, state.optimizer, state.mesh
     coordinate = _coordinate(mesh, config)
-    data = state.data()
+    trainable = state.trainable
     reporter = _reports(config, parallel, coordinate)
     recorder = runtime.recorder
     recorder.clear()  # rows and timeline describe this run only
@@ -164,20 +165,21 @@ def _train(config: TrainConfig, runtime: RankContext) -> RankResult:
     timer = StepTimer(device)
     losses = LossLog(config, mesh, parallel, recorder, reporter, timer)
     samples = config.global_batch // config.data_parts if parallel.data_share is not None else 0
-    tokens_per_sample = model(config.model).tokens_per_sample
-    tokens = samples * tokens_per_sample(config.model_config) if tokens_per_sample is not None else None
+    tokens_per_sample = trainable.tokens_per_sample()
+    tokens = samples * tokens_per_sample if tokens_per_sample is not None else None
     saved: list[str] = []  # checkpoints this run wrote
     staging = batch_staging(device)  # one per run: its buffers are reused by every step
     checkpoints = PeriodicCheckpoints(config) if config.checkpoint_every else None
     for step in range(config.steps):  # this run's steps; the data position is the state's
         if instruments.stop_agreed(step):
             break
-        inputs, targets = parallel.batch_slice(data.batch(state.step, config.global_batch))
-        inputs, targets = to_device((inputs, targets), staging)
+        share = parallel.data_share  # a rank that takes no data (a parameter server's server) makes none
+        batch = to_device(trainable.share(state.step, config.global_batch, *share), staging) \
+            if share is not None else None
         timer.begin()
         delay = instruments.begin_step(state.step)  # rows count steps from the run's start, across continuations
         optimizer.zero_grad(set_to_none=True)
-        loss = parallel.forward_backward(inputs, targets)
+        loss = parallel.forward_backward(batch)
         state.updating = True
         parallel.optimizer_step(optimizer)
         state.updating = False
@@ -210,7 +212,7 @@ def _train(config: TrainConfig, runtime: RankContext) -> RankResult:
     if config.verify:
         from labkit.rank.verify import compare_with_reference
 
-        result["verify"] = compare_with_reference(config, parallel, device, state.step)
+        result["verify"] = compare_with_reference(config, parallel, device, state.step, trainable)
     return result
 
 
@@ -219,8 +221,9 @@ def estimate_memory(config: TrainConfig) -> dict[str, int]:
     (``MemoryBytes``'s keys)."""
     runtime = this_rank()
     mesh = runtime.mesh_for(config.mesh_shape, config.mesh_names, instrumented=config.instruments)
-    network = model(config.model).build(config.model_config, config.seed, "meta")
-    shard_for_memory_estimate(network, mesh, config, runtime.backend)
+    trainable = trainable_for(config, runtime)
+    network = trainable.build(config.seed, "meta")
+    shard_for_memory_estimate(network, mesh, config, runtime.backend, trainable)
     param_bytes = sum(local_bytes(p) for p in {id(p): p for p in network.parameters()}.values())
     # A strategy may keep copies of the parameters beside the optimizer's state (DiLoCo: two).
     copies = sum(strategy(part).state_copies for part in config.parts)

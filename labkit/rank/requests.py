@@ -60,6 +60,11 @@ class RankRequests:
 
         return self.runtime.call(train_loop, (config,), {}, None, timeout_seconds)
 
+    def model_state(self, timeout_seconds: float) -> dict:
+        from labkit.rank.whole_model import whole_model
+
+        return self.runtime.call(whole_model, (self.runtime,), {}, None, timeout_seconds)
+
     def training_position(self) -> dict | None:
         runtime = self.runtime
         state = runtime.train_state

@@ -2,7 +2,8 @@
 
 A state is the model as this rank holds it (sharded, wrapped, staged), its
 optimizer, how many steps it has taken (which is also the data position: step
-``n`` trains on batch ``n`` of the run's seeded data), the random generators at
+``n`` trains on batch ``n`` of the run's seeded data: for a data set, the
+samples at positions ``n * global_batch`` onwards of its seeded epochs), the random generators at
 the end of the last step, and the formation of the world its communicators
 belong to. It lives on the rank between cells (``RankRuntime.train_state``), so
 ``lab.train(..., resume=True)`` takes up where the last run stopped and ends
@@ -25,10 +26,10 @@ from dataclasses import dataclass, field
 import numpy
 import torch
 
+from labkit.rank.own_model import trainable_for
 from labkit.spec.train_config import TrainConfig, resume_differences
 from labkit.strategies.compose import ParallelModel, parallelize
-from labkit.zoo.catalog import model
-from labkit.zoo.model_protocol import Batches
+from labkit.torch_support.trainable import Trainable
 
 
 def random_state() -> dict:
@@ -56,6 +57,7 @@ class TrainState:
     optimizer: torch.optim.Optimizer
     mesh: object  # the DeviceMesh its communicators live on
     formation: int  # the generation in which the rank's world was formed: rebuilt in place, the groups stay its own
+    trainable: Trainable  # what it trains: builds the network, makes the batches, computes the loss
     step: int = 0  # steps taken in all; the next batch is number ``step``
     updating: bool = False  # inside the optimizer's step: a failure now may leave the weights half updated
     rng: dict = field(default_factory=random_state)
@@ -63,9 +65,6 @@ class TrainState:
     @property
     def model(self) -> torch.nn.Module:
         return self.parallel.module
-
-    def data(self) -> Batches:
-        return model(self.config.model).data(self.config.model_config, self.config.seed)
 
     def finish_step(self) -> None:
         self.step += 1
@@ -97,11 +96,11 @@ def build_state(config: TrainConfig, runtime, make_optimizer) -> TrainState:
     """A fresh model on every rank (the same seed everywhere), split by the strategy, with its optimizer."""
     device = runtime.device
     mesh = runtime.mesh_for(config.mesh_shape, config.mesh_names, instrumented=config.instruments)
-    declared = model(config.model)
-    network = declared.build(config.model_config, config.seed, device)
-    parallel = parallelize(network, mesh, config, declared.loss, device, runtime.backend, runtime.rank)
+    trainable = trainable_for(config, runtime)
+    network = trainable.build(config.seed, device)
+    parallel = parallelize(network, mesh, config, trainable, device, runtime.backend, runtime.rank)
     optimizer = make_optimizer(parallel.module.parameters(), config, device)
-    return TrainState(config, parallel, optimizer, mesh, runtime.formation)
+    return TrainState(config, parallel, optimizer, mesh, runtime.formation, trainable)
 
 
 def state_for(config: TrainConfig, runtime, make_optimizer) -> TrainState:

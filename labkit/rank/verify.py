@@ -40,37 +40,38 @@ from labkit.strategies.rank_side import OwnReference, Parameters, rank_module
 from labkit.torch_support.optimizers import make_optimizer
 from labkit.torch_support.torch_internals import DTENSOR_REDISTRIBUTE_LOGGER
 from labkit.wire.schema import Verdict, equivalence_bound
-from labkit.zoo.catalog import model
+from labkit.torch_support.batches import chunk_rows, to_device
+from labkit.torch_support.trainable import Trainable, declared_trainable
 
 # (config, device, steps, chunks) -> (initial, final) parameters of a single-process reference.
 Reference = Callable[..., tuple[Parameters, Parameters]]
 
 
 @torch.enable_grad()
-def reference_parameters(config: TrainConfig, device: str | torch.device, steps: int,
-                         chunks: int = 1) -> tuple[Parameters, Parameters]:
+def reference_parameters(config: TrainConfig, device: str | torch.device, steps: int, chunks: int = 1,
+                         trainable: Trainable | None = None) -> tuple[Parameters, Parameters]:
     """(initial, final) parameters of ``steps`` single-process steps on the same global batches.
 
     ``chunks`` > 1 sums each step's gradient over that many equal parts of the
-    batch: the same mathematics, another rounding.
+    batch: the same mathematics, another rounding. ``trainable``: what the run
+    trains (default: the catalog model ``config`` names).
     """
     device = torch.device(device)
-    declared = model(config.model)
-    network = declared.build(config.model_config, config.seed, device)
+    trainable = trainable or declared_trainable(config)
+    network = trainable.build(config.seed, device)
     initial = {name: p.detach().clone() for name, p in network.named_parameters()}
     optimizer = make_optimizer(network.parameters(), config, device)
-    data = declared.data(config.model_config, config.seed)
-    loss_fn = declared.loss
     for step in range(steps):
-        inputs, targets = (t.to(device) for t in data.batch(step, config.global_batch))
+        batch = to_device(trainable.batch(step, config.global_batch), lambda tensors: tuple(t.to(device) for t in
+                                                                                             tensors))
         optimizer.zero_grad(set_to_none=True)
-        for part_inputs, part_targets in zip(inputs.chunk(chunks), targets.chunk(chunks)):
-            (loss_fn(network(part_inputs), part_targets) / chunks).backward()
+        for piece in chunk_rows(batch, chunks):
+            (trainable.loss(trainable.call(network, piece), piece) / chunks).backward()
         optimizer.step()
     return initial, {name: p.detach() for name, p in network.named_parameters()}
 
 
-def reference_for(config: TrainConfig, parallel) -> Reference:
+def reference_for(config: TrainConfig, parallel, trainable: Trainable) -> Reference:
     """``(config, device, steps, chunks) -> (initial, final)``: the run's single-process reference.
 
     A strategy that is not one-process training (DiLoCo's replicas drift apart
@@ -81,8 +82,9 @@ def reference_for(config: TrainConfig, parallel) -> Reference:
     for part in config.parts:
         module = rank_module(strategy(part))
         if isinstance(module, OwnReference):
-            return functools.partial(module.reference_parameters, data_share=parallel.data_share)
-    return reference_parameters
+            return functools.partial(module.reference_parameters, data_share=parallel.data_share,
+                                     trainable=trainable)
+    return functools.partial(reference_parameters, trainable=trainable)
 
 
 def relative_difference(value: torch.Tensor, expected: torch.Tensor) -> float:
@@ -96,9 +98,9 @@ def resummed_chunks(config: TrainConfig) -> int:
 
 
 @torch.no_grad()
-def compare_with_reference(config: TrainConfig, parallel, device, steps: int) -> Verdict:
+def compare_with_reference(config: TrainConfig, parallel, device, steps: int, trainable: Trainable) -> Verdict:
     """Largest relative difference to single-process training, over all parameters and ranks."""
-    reference_of = reference_for(config, parallel)
+    reference_of = reference_for(config, parallel, trainable)
     initial, reference = reference_of(config, device, steps)
     _, resummed = reference_of(config, device, steps, chunks=resummed_chunks(config))
     noise = max(relative_difference(resummed[name], reference[name]) for name in reference)

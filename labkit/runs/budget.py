@@ -49,7 +49,10 @@ def sharded_estimates(session: Session, config: TrainConfig) -> dict[str, int]:
             alternative = resolve(session.world_size, strategy=name, **settings)
         except ValueError:
             continue  # this model cannot be split that way on these ranks
-        estimates = session.run(estimate_memory, alternative, timeout=session.start_timeout)
+        try:
+            estimates = session.run(estimate_memory, alternative, timeout=session.start_timeout)
+        except LabError:
+            continue  # a user's own model that this strategy needs more input for (a plan, split points)
         found[name] = max(total_bytes(memory) for memory in estimates)
     return found
 

@@ -1,4 +1,5 @@
-"""Save and load the ranks' training state: ``lab.save(path)``, ``lab.load(path)``, ``%lab checkpoint``.
+"""Save and load the ranks' training state (``lab.save(path)``, ``lab.load(path)``, ``%lab checkpoint``), and
+gather the trained model whole into the notebook (``lab.model_state()``).
 
 A checkpoint is a directory written by ``labkit.rank.checkpoint`` (torch.distributed.
 checkpoint shards, every rank's random state, and ``labkit.json`` with the run's
@@ -25,9 +26,11 @@ import os
 from typing import TYPE_CHECKING
 
 from labkit.runs.checkpoint_check import check_files, read_meta
+from labkit.runs.own_model import check_run, split_settings
 from labkit.spec.checkpoint_files import META_FILE, is_checkpoint_file, is_complete, partial_directory, recoverable, \
     save_refusal
 from labkit.spec.errors import LabBusy, LabConfigError
+from labkit.spec.own_model import OwnModel
 from labkit.spec.train_config import TrainConfig, checkpoint_settings, identity_differences, resolve
 from labkit.strategies.catalog import checkpoint_refusal
 from labkit.wire import entry
@@ -35,7 +38,7 @@ from labkit.wire import entry
 if TYPE_CHECKING:  # the session is a layer above the runs it drives
     from labkit.session import Session
 
-__all__ = ["META_FILE", "find_checkpoint", "is_complete", "load", "read_meta", "save"]
+__all__ = ["META_FILE", "find_checkpoint", "is_complete", "load", "model_state", "read_meta", "save"]
 STEP_PATTERN = "step-*"
 
 
@@ -90,6 +93,25 @@ def save(session: Session, path: str, timeout: float) -> str:
     return target
 
 
+def model_state(session: Session, timeout: float) -> dict:
+    """The last run's model, whole, merged from the ranks that send it (``rank.whole_model``)."""
+    try:
+        session.require_idle()
+    except LabBusy as busy:
+        raise LabBusy(f"cannot gather the model now: {busy}; then gather it") from None
+    if session.last_training is None:
+        raise LabConfigError("there is no trained model to gather: train first (lab.train), or load a checkpoint; "
+                             "a failure or restart since the last run drops the ranks' state")
+    reports = session.execute(None, entry.model_state, (), timeout)
+    whole: dict = {}
+    for rank in sorted(reports):
+        held = reports[rank]["value"]
+        assert isinstance(held, dict)  # rank.whole_model's
+        for name, value in held.items():
+            whole.setdefault(name, value)
+    return whole
+
+
 def _normalised(settings: dict) -> dict:
     model_settings = settings.get("model_settings") or {}
     return {**settings, "model_settings": {key: tuple(value) if isinstance(value, list) else value
@@ -109,6 +131,11 @@ def load(session: Session, path: str, timeout: float, mesh: dict | None = None, 
               f"checkpoint there; loading the whole one it left beside it, {directory} (the next save to that "
               "path puts it in place)")
     saved = _normalised(meta["settings"])
+    overrides, inspection = split_settings(dict(overrides))  # the user's own model, given again, packed
+    if saved.get("own") and not isinstance(overrides.get("own"), OwnModel):
+        raise LabConfigError(f"the checkpoint {directory} holds your own model {saved['own']['name']}: give it again, "
+                             f"with its data and loss: lab.load(path, model={saved['own']['name']}, data=..., "
+                             "loss=...)")
     differences = identity_differences(saved, overrides)
     if differences:
         raise LabConfigError(f"the checkpoint {directory} holds another model: {'; '.join(differences)}. "
@@ -126,6 +153,8 @@ def load(session: Session, path: str, timeout: float, mesh: dict | None = None, 
         raise LabConfigError(f"the checkpoint cannot be loaded that way: {error}") from None
     if checkpoint_refusal(config.parts):
         raise LabConfigError(f"cannot load into {config.strategy}: {checkpoint_refusal(config.parts)}")
+    if inspection is not None:
+        check_run(inspection, config)
     session.ready()
     session.execute(None, entry.load_checkpoint,
                     (config, directory, meta["step"], same_world), timeout)

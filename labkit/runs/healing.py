@@ -87,8 +87,9 @@ def continuation(session: Session, config: TrainConfig, target_step: int, timeou
                              "train again, with checkpoint_every and checkpoint_dir to survive failures")
     directory = find_checkpoint(saved_in)
     step = read_meta(directory)["step"]
+    own = {"own": config.own, "model": config.model} if config.own is not None else {}  # sent again as it was
     loaded = load(session, directory, timeout, mesh=dict(zip(config.mesh_names, config.mesh_shape)),
-                  say=False, strategy=config.strategy)
+                  say=False, strategy=config.strategy, **own)
     if target_step <= step:
         raise LabConfigError(f"the newest checkpoint ({directory}) is already at step {step}: nothing is left to train")
     # The original run's settings (how it is watched and kept included), from the checkpoint on.

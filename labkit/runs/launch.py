@@ -14,9 +14,10 @@ from typing import TYPE_CHECKING
 
 from labkit.runs.budget import enforce_budget
 from labkit.runs.healing import TrainingRecord, continuation, has_checkpoint
+from labkit.runs.own_model import check_run, split_settings
 from labkit.runs.training_run import TrainingRun
 from labkit.spec.errors import LabConfigError
-from labkit.spec.train_config import TrainConfig, resolve, resume_differences, user_settings
+from labkit.spec.train_config import BatchSplitError, TrainConfig, resolve, resume_differences, user_settings
 from labkit.views.stragglers import check_threshold
 from labkit.views.train_report import TrainReport
 
@@ -45,6 +46,7 @@ def _continuation(session: Session, settings: dict, mesh: dict | None) -> tuple[
 def resolve_run(session: Session, settings: dict, mesh: dict | None, resume: bool = False) -> TrainConfig:
     """The checked ``TrainConfig`` of a run (a continuation of the last one with ``resume``)."""
     record = None
+    settings, inspection = split_settings(dict(settings))  # the user's own model packed, before anything else
     if resume:
         settings, mesh, record = _continuation(session, settings, mesh)
     else:  # what was not given takes TrainConfig's and the catalog's defaults
@@ -53,6 +55,11 @@ def resolve_run(session: Session, settings: dict, mesh: dict | None, resume: boo
         config = resolve(session.world_size, mesh=mesh, lab_mesh=session.mesh_spec, **settings)
     except LabConfigError:
         raise
+    except BatchSplitError as error:
+        if inspection is not None and inspection.rows is not None:  # the user's function fixes the batch
+            raise LabConfigError(f"{error}. Your data function makes each step's batch: make it return "
+                                 f"{error.nearest} rows") from None
+        raise LabConfigError(str(error)) from None
     except (ValueError, TypeError) as error:
         raise LabConfigError(str(error)) from None
     if record is not None:  # a continuation: it starts where the last run's steps end
@@ -61,6 +68,8 @@ def resolve_run(session: Session, settings: dict, mesh: dict | None, resume: boo
         if differences:
             raise LabConfigError(f"resume continues the last run, so only its length and reporting may change: "
                                  f"{'; '.join(differences)}. Train without resume=True for a new run.")
+    if inspection is not None:
+        check_run(inspection, config)
     return config
 
 

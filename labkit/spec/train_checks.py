@@ -23,6 +23,10 @@ PRECISIONS = ("fp32", "bf16")
 class BatchSplitError(ValueError):
     """The global batch given does not split over the data-parallel replicas and micro-batches."""
 
+    def __init__(self, message: str, nearest: str = "") -> None:
+        super().__init__(message)
+        self.nearest = nearest  # the nearest batches that split ("15 or 18")
+
 
 def _positive_int(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -59,6 +63,9 @@ def check_config(config: TrainConfig) -> None:
     if config.optimizer not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {config.optimizer!r}: choose {', '.join(OPTIMIZERS)}")
     _positive_number("lr", config.lr, "the learning rate")
+    if config.own is not None and config.model_settings:
+        raise ValueError(f"model_settings resize a model of the zoo; your own {config.own.name} takes its settings "
+                         f"where you build it: model=lambda: {config.own.name}(...)")
     config.model_config  # refuses unknown models and settings
     _check_batch_split(config)
     for part in config.parts:
@@ -91,5 +98,5 @@ def _check_batch_split(config: TrainConfig) -> None:
         nearest = f"{below} or {above}" if below else f"{above}"
         raise BatchSplitError(
             f"global_batch={config.global_batch} must split evenly into {replicas} data-parallel replicas x "
-            f"micro_batches={micro}: use a multiple of {unit}, such as {nearest}"
+            f"micro_batches={micro}: use a multiple of {unit}, such as {nearest}", nearest
         )

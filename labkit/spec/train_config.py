@@ -23,6 +23,7 @@ from typing import Any, Callable, TypeVar, overload
 
 from labkit.spec.mesh import MeshSpec
 from labkit.spec.mesh_choice import GIVEN, even_splits, mesh_candidates
+from labkit.spec.own_model import OwnModel
 from labkit.spec.train_checks import OPTIMIZERS, PRECISIONS, BatchSplitError, check_config
 from labkit.strategies.catalog import DATA_AXES, Setting, axes_of, parse_strategy, settings_by_name, strategy
 from labkit.units import parse_bytes
@@ -66,6 +67,7 @@ class TrainConfig:
     mesh_shape: tuple[int, ...] = ()
     mesh_reason: str = "given"
     batch_note: str = ""  # how the default global batch was fitted to the mesh, in words ("": as it is)
+    own: OwnModel | None = None  # the user's own model, data and loss (``model`` is then its name)
 
     @overload
     def setting(self, which: Setting[T]) -> T: ...
@@ -110,11 +112,21 @@ class TrainConfig:
 
     @property
     def model_config(self) -> Any:
-        """The model's settings (its declaration's settings class, ``model_settings`` applied)."""
+        """The model's settings (its declaration's settings class, ``model_settings`` applied); None for the
+        user's own model, which has none."""
+        if self.own is not None:
+            return None
         return model(self.model).settings_for(self.model_settings)
 
+    def training_flops_per_sample(self) -> int:
+        """Model FLOPs of one sample's forward and backward (the zoo's count, or the own model's estimate)."""
+        if self.own is not None:
+            return self.own.training_flops_per_sample()
+        return int(self.model_config.training_flops_per_sample())
+
     def as_dict(self) -> dict:
-        return asdict(self)
+        """Every field by name (the own model kept as it is: what was packed is compared by its fingerprint)."""
+        return {**asdict(replace(self, own=None)), "own": self.own}
 
     def describe(self) -> str:
         math = " in bf16" if self.precision == "bf16" else " in TF32" if self.tf32 else ""
@@ -131,13 +143,16 @@ def user_settings() -> set[str]:
 RESUME_MAY_CHANGE = ("steps", "log_every", "verify", "max_memory", "peak_tflops", "first_step", "mesh_reason",
                      "batch_note", "checkpoint_every", "checkpoint_dir", "keep_checkpoints", "auto_heal", "max_restarts")
 # What makes a checkpoint another model: loading it under other values is refused.
-MODEL_IDENTITY = ("model", "model_settings")
+MODEL_IDENTITY = ("model", "model_settings", "own")
 
 
 def checkpoint_settings(config: TrainConfig) -> dict:
     """What a checkpoint records of its run: every setting a user gives, the strategies' own included."""
     settings = {name: value for name, value in config.as_dict().items() if name in user_settings()}
     settings.update(config.options)
+    own = settings.pop("own", None)
+    if own is not None:  # the model itself travels with each run; a checkpoint names what it must match
+        settings["own"] = own.identity
     for name in ("checkpoint_every", "checkpoint_dir", "keep_checkpoints", "auto_heal", "max_restarts", "verify",
                  "max_memory"):
         settings.pop(name, None)  # how that run was watched and kept, not what it trained
@@ -149,12 +164,31 @@ def identity_differences(saved: dict, settings: dict) -> list[str]:
     differences = []
     for name in MODEL_IDENTITY:
         then, now = saved.get(name), settings.get(name, saved.get(name))
+        if name == "own":  # the user's model is matched by its parameters' names and shapes
+            then, now = then or None, _identity(now)
+            if then != now:
+                differences.append(_own_difference(then, now))
+            continue
         if name == "model_settings":  # JSON keeps tuples as lists
             then = {key: tuple(value) if isinstance(value, list) else value for key, value in (then or {}).items()}
             now = {key: tuple(value) if isinstance(value, list) else value for key, value in (now or {}).items()}
         if then != now:
             differences.append(f"{name} is {then!r} in the checkpoint, {now!r} here")
     return differences
+
+
+def _identity(own: object) -> dict | None:
+    return own.identity if isinstance(own, OwnModel) else own if isinstance(own, dict) else None
+
+
+def _own_difference(then: dict | None, now: dict | None) -> str:
+    if then is None:
+        return f"the checkpoint holds a model of the zoo, not your {now['name'] if now else 'model'}"
+    if now is None:
+        return (f"the checkpoint holds your own model {then['name']}: give it again, with its data and loss "
+                f"(lab.load(path, model={then['name']}, data=..., loss=...))")
+    return (f"the checkpoint's {then['name']} has other parameters (names or shapes) than the {now['name']} "
+            "given here")
 
 
 def resume_differences(before: TrainConfig, after: TrainConfig) -> list[str]:
@@ -241,7 +275,10 @@ def _given(settings: dict[str, Any]) -> TrainConfig:
                          f"{', '.join(sorted(general | set(owned)))}")
     config = TrainConfig(**{name: value for name, value in settings.items() if name in general})
     parts = config.parts
-    model(config.model)  # an unknown model is refused by name, as an unknown strategy is
+    if config.own is None:
+        model(config.model)  # an unknown model is refused by name, as an unknown strategy is
+    elif not isinstance(config.own, OwnModel):
+        raise ValueError("own is labkit's own record of your model: pass model=YourClass (with data= and loss=)")
     for name in settings:
         if name in owned and owned[name][0] not in parts:
             owner = strategy(owned[name][0])

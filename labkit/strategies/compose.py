@@ -13,8 +13,11 @@ give this rank a role, or keep state of its own that checkpoints carry
 the parts' declarations and in what their ``apply`` sets.
 
 What a part asks of the model goes through ``composition.plan``, the
-``zoo.model_protocol.Model`` parts the model offers (the zoo's networks offer
-them themselves; a network that cannot may be given an object that speaks for it).
+``zoo.model_protocol.Model`` parts the model offers: the zoo's networks offer
+them themselves; for a user's own network the trainable gives an object that
+speaks for it (``torch_support.trainable.OwnPlan``). A batch is whatever the
+trainable makes (``torch_support.batches``); the trainable calls the network
+on it and computes the loss.
 
 The result, a ``ParallelModel``, runs one step's forward and backward for this
 rank and then the optimizer step, whatever the composition, so the training
@@ -36,13 +39,15 @@ import torch.nn as nn
 
 from labkit.strategies.catalog import DATA_AXES, role_of, strategy
 from labkit.strategies.rank_side import rank_module
+from labkit.torch_support.batches import chunk_rows
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
     from labkit.spec.train_config import TrainConfig
+    from labkit.torch_support.trainable import Trainable
 
-Loss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (output, targets) -> the mean loss
+Batch = Any  # a tensor, or tuples / lists / dicts of them (``torch_support.batches``)
 
 
 def autocast_for(precision: str, device: torch.device) -> Callable[[], ContextManager[Any]]:
@@ -63,7 +68,7 @@ class ParallelModel:
                  autocast: Callable[[], ContextManager[Any]] = contextlib.nullcontext, role: str = "trainer") -> None:
         # What the parts built, as they left it (see Composition for each field).
         self.module = composition.model
-        self.loss_fn = composition.loss_fn
+        self.trainable = composition.trainable
         self.micro_batches = composition.config.micro_batches or 1
         self.runner = composition.runner
         self.micro_step = composition.micro_step
@@ -88,35 +93,28 @@ class ParallelModel:
             return False
         return self.runner is None or self.runner.is_last
 
-    def batch_slice(self, tensors: tuple[torch.Tensor, ...] | list[torch.Tensor]) -> list[torch.Tensor]:
-        """This rank's part of a global batch (nothing for a rank that takes no data)."""
-        if self.data_share is None:
-            return [tensor[:0] for tensor in tensors]
-        index, parts = self.data_share
-        size = tensors[0].shape[0] // parts
-        return [tensor[index * size : (index + 1) * size] for tensor in tensors]
-
-    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
-        """Gradients of the mean loss over this rank's batch; that loss where this rank has it.
+    def forward_backward(self, batch: Batch) -> torch.Tensor | None:
+        """Gradients of the mean loss over this rank's share of the batch; that loss where this rank has it.
 
         The loss comes back as a 0-d tensor on the rank's device: reading it
         (``float``) would make the CPU wait for the GPU every step.
         """
         if self.forward is not None:
-            loss = self.forward(inputs, targets)
+            loss = self.forward(batch)
         elif self.runner is not None:
             with self.autocast():
-                loss = self.runner.step(inputs, targets)
+                loss = self.runner.step(batch)
         else:
-            if self.loss_fn is None:
+            trainable = self.trainable
+            if trainable is None:
                 raise RuntimeError("this composition has no loss: it was built to estimate memory, not to train")
             loss = None
-            pairs = list(zip(inputs.chunk(self.micro_batches), targets.chunk(self.micro_batches)))
-            for index, (micro_inputs, micro_targets) in enumerate(pairs):
-                last = index == len(pairs) - 1
+            pieces = chunk_rows(batch, self.micro_batches)
+            for index, piece in enumerate(pieces):
+                last = index == len(pieces) - 1
                 with self.micro_step(last):
                     with self.autocast():
-                        micro_loss = self.loss_fn(self.module(micro_inputs), micro_targets) / len(pairs)
+                        micro_loss = trainable.loss(trainable.call(self.module, piece), piece) / len(pieces)
                     with self.backward_watch(micro_loss):
                         micro_loss.backward()
                 loss = micro_loss.detach() if loss is None else loss + micro_loss.detach()
@@ -153,13 +151,13 @@ class Composition:
     the model itself unless something else speaks for it.
     """
 
-    def __init__(self, model: nn.Module, config: TrainConfig, loss_fn: Loss | None, device: torch.device,
-                 backend: str, estimate_only: bool = False, plan: object | None = None) -> None:
+    def __init__(self, model: nn.Module, config: TrainConfig, trainable: Trainable | None, device: torch.device,
+                 backend: str, estimate_only: bool = False) -> None:
         self.model = model
-        self.plan = model if plan is None else plan
         self.config = config
         self.parts = config.parts
-        self.loss_fn = loss_fn
+        self.trainable = trainable  # what is trained: how it is called, its loss, what speaks for it
+        self.plan = self.plan_for(model)
         self.device = device
         self.backend = backend
         self.estimate_only = estimate_only
@@ -180,7 +178,7 @@ class Composition:
         # Replaces optimizer.step() when set (called with the optimizer).
         self.update: Callable[[torch.optim.Optimizer], None] | None = None
         # Replaces forward and backward when set (called with inputs and targets).
-        self.forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor | None] | None = None
+        self.forward: Callable[[Batch], torch.Tensor | None] | None = None
         # A part's own state that checkpoints carry beside model and optimizer (DiLoCo's outer step):
         # name -> object with state_dict(app) and load_state_dict(entry, optimizer), see rank/checkpoint;
         # an nbytes() is counted with the optimizer's memory.
@@ -194,6 +192,17 @@ class Composition:
 
     def uses(self, part: str) -> bool:
         return part in self.parts
+
+    def plan_for(self, model: nn.Module) -> object:
+        """What speaks for ``model`` to the parts: the trainable's word for it (a part that replaces the model,
+        as a pipeline's stage, asks again)."""
+        if self.trainable is None:
+            return model
+        config = self.config
+        rows = None
+        if config.global_batch and config.axis("pp") > 1:  # a pipeline cut by tracing runs one real micro-batch
+            rows = (config.global_batch, config.global_batch // (config.data_parts * (config.micro_batches or 1)))
+        return self.trainable.plan(model, rows)
 
 
 def _data_axes(composition: Composition, mesh: DeviceMesh) -> None:
@@ -218,16 +227,16 @@ def _compose(composition: Composition, mesh: DeviceMesh) -> Composition:
     return composition
 
 
-def parallelize(model: nn.Module, mesh: DeviceMesh, config: TrainConfig, loss_fn: Loss, device: torch.device,
-                backend: str, rank: int = 0, plan: object | None = None) -> ParallelModel:
-    """``model`` split over ``mesh`` by every part of ``config``'s strategy; ``plan`` as in ``Composition``."""
-    composition = _compose(Composition(model, config, loss_fn, device, backend, plan=plan), mesh)
+def parallelize(model: nn.Module, mesh: DeviceMesh, config: TrainConfig, trainable: Trainable, device: torch.device,
+                backend: str, rank: int = 0) -> ParallelModel:
+    """``model`` (built by ``trainable``) split over ``mesh`` by every part of ``config``'s strategy."""
+    composition = _compose(Composition(model, config, trainable, device, backend), mesh)
     autocast = contextlib.nullcontext if composition.own_precision else autocast_for(config.precision, device)
     return ParallelModel(composition, autocast=autocast, role=role_of(config.parts, config, rank))
 
 
 def shard_for_memory_estimate(model: nn.Module, mesh: DeviceMesh, config: TrainConfig, backend: str,
-                              plan: object | None = None) -> nn.Module:
+                              trainable: Trainable | None = None) -> nn.Module:
     """Apply the same sharding to a meta-device model (no memory used); DDP keeps a full copy."""
-    composition = Composition(model, config, None, torch.device("meta"), backend, estimate_only=True, plan=plan)
+    composition = Composition(model, config, trainable, torch.device("meta"), backend, estimate_only=True)
     return _compose(composition, mesh).model

@@ -47,6 +47,7 @@ if TYPE_CHECKING:
 
     from labkit.spec.train_config import TrainConfig
     from labkit.strategies.compose import Composition
+    from labkit.torch_support.trainable import Trainable
 
 INNER_STEPS = Setting("inner_steps", 10, "DiLoCo: inner optimizer steps between outer steps (H)")
 OUTER_LR = Setting("outer_lr", 0.7, "DiLoCo: outer learning rate")
@@ -75,11 +76,11 @@ def apply(composition: Composition, replica_mesh: DeviceMesh, config: TrainConfi
 
 
 def reference_parameters(config: TrainConfig, device: str | torch.device, steps: int, chunks: int = 1,
-                         data_share: tuple[int, int] | None = (0, 1)
+                         data_share: tuple[int, int] | None = (0, 1), trainable: Trainable | None = None,
                          ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """(initial, final) parameters of DiLoCo simulated in one process, for the replica of ``data_share``
     (``diloco_outer.simulate``): what ``verify`` compares this strategy's ranks with."""
     from labkit.strategies.diloco_outer import simulate
 
     return simulate(config, device, steps, config.setting(INNER_STEPS), config.setting(OUTER_LR),
-                    config.setting(OUTER_MOMENTUM), chunks=chunks, data_share=data_share)
+                    config.setting(OUTER_MOMENTUM), chunks=chunks, data_share=data_share, trainable=trainable)

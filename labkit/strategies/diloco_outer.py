@@ -16,8 +16,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from labkit.torch_support.batches import chunk_rows, to_device
 from labkit.torch_support.optimizers import make_optimizer
-from labkit.zoo.catalog import model
+from labkit.torch_support.trainable import Trainable, declared_trainable
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -163,12 +164,12 @@ def _cloned(tree):
 
 @torch.enable_grad()
 def simulate(config: TrainConfig, device: str | torch.device, steps: int, inner_steps: int, lr: float,
-             momentum: float, chunks: int = 1,
-             data_share: tuple[int, int] | None = (0, 1)) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+             momentum: float, chunks: int = 1, data_share: tuple[int, int] | None = (0, 1),
+             trainable: Trainable | None = None) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """(initial, final) parameters of DiLoCo simulated in one process, for the replica of ``data_share``.
 
     Each of the R replicas trains on its slice of every global batch (the
-    ranks' ``batch_slice``: replica r takes part r of R) with its own inner
+    ranks' ``share`` of the batch: replica r takes part r of R) with its own inner
     optimizer; every H steps the replicas' pseudo-gradients are averaged and
     the outer step applied. ``chunks`` > 1 (the rounding-noise reference) sums
     each replica's gradient in parts and the pseudo-gradients in reverse order:
@@ -178,24 +179,22 @@ def simulate(config: TrainConfig, device: str | torch.device, steps: int, inner_
     replicas = config.axis("replica")
     index, parts = data_share if data_share is not None else (0, 1)
     mine = index * replicas // parts  # the data axes nest dp inside replica
-    declared = model(config.model)
-    models = [declared.build(config.model_config, config.seed, device) for _ in range(replicas)]
+    trainable = trainable or declared_trainable(config)
+    models = [trainable.build(config.seed, device) for _ in range(replicas)]
     initial = {name: p.detach().clone() for name, p in models[0].named_parameters()}
     optimizers = [make_optimizer(network.parameters(), config, device) for network in models]
     global_copy = [p.detach().clone() for p in models[0].parameters()]
     buffers = [torch.zeros_like(value) for value in global_copy]
-    data = declared.data(config.model_config, config.seed)
-    loss_fn = declared.loss
     slice_size = config.global_batch // replicas
     pieces = 1 if chunks == 1 else max(2, chunks // replicas)
     pieces = pieces if slice_size % pieces == 0 else 1
     for step in range(steps):
-        inputs, targets = (t.to(device) for t in data.batch(step, config.global_batch))
-        for network, optimizer, part_inputs, part_targets in zip(models, optimizers, inputs.chunk(replicas),
-                                                                 targets.chunk(replicas)):
+        batch = to_device(trainable.batch(step, config.global_batch), lambda tensors: tuple(t.to(device) for t in
+                                                                                             tensors))
+        for network, optimizer, part in zip(models, optimizers, chunk_rows(batch, replicas)):
             optimizer.zero_grad(set_to_none=True)
-            for piece_inputs, piece_targets in zip(part_inputs.chunk(pieces), part_targets.chunk(pieces)):
-                (loss_fn(network(piece_inputs), piece_targets) / pieces).backward()
+            for piece in chunk_rows(part, pieces):
+                (trainable.loss(trainable.call(network, piece), piece) / pieces).backward()
             optimizer.step()
         if (step + 1) % inner_steps == 0:
             with torch.no_grad():

@@ -36,7 +36,7 @@ import contextlib
 from typing import TYPE_CHECKING, Any, Callable
 
 from labkit.strategies.catalog import Setting, Strategy
-from labkit.zoo.model_protocol import ChecksStages, SplitsIntoStages
+from labkit.zoo.model_protocol import ChecksStages, SplitsIntoStages, SplitsByTracing
 
 if TYPE_CHECKING:
     import torch
@@ -72,15 +72,18 @@ STRATEGY = Strategy(
 )
 
 
-def keep_stage(model: nn.Module, pp_mesh: DeviceMesh, plan: object | None = None) -> int:
-    """Cut ``model`` down to this rank's stage (by what ``plan``, or the model, offers); return the stage index."""
+def keep_stage(model: nn.Module, pp_mesh: DeviceMesh, plan: object | None = None) -> nn.Module:
+    """This rank's stage of ``model``: the model cut down in place (``keep_stage``), or a module of its own
+    made by tracing it (``split_stage``), by what ``plan`` (or the model) offers."""
     offered = model if plan is None else plan
-    if not isinstance(offered, SplitsIntoStages):
+    if not isinstance(offered, (SplitsByTracing, SplitsIntoStages)):
         raise TypeError(f"no pipeline stages for {type(model).__name__}: give it a keep_stage(stage, stages) "
                         "method that drops the layers other stages own, keeping the names of the rest")
-    stage = pp_mesh.get_local_rank()
-    offered.keep_stage(stage, pp_mesh.size())
-    return stage
+    stage, stages = pp_mesh.get_local_rank(), pp_mesh.size()
+    if isinstance(offered, SplitsByTracing):
+        return offered.split_stage(stage, stages)
+    offered.keep_stage(stage, stages)
+    return model
 
 
 def _schedule_class(schedule: str) -> Any:
@@ -93,7 +96,7 @@ class PipelineRunner:
     """Runs one training step of a pipeline stage: forward and backward of every microbatch."""
 
     def __init__(self, module: nn.Module, pp_mesh: DeviceMesh, schedule: str, microbatches: int,
-                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None, device: torch.device) -> None:
+                 loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] | None, device: torch.device) -> None:
         from torch.distributed.pipelining import PipelineStage
 
         if schedule not in SCHEDULES:
@@ -113,10 +116,18 @@ class PipelineRunner:
     def is_last(self) -> bool:
         return self.stage_index == self.stages - 1
 
-    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
-        """Forward and backward of the step's batch; the mean loss on the last stage (a 0-d tensor)."""
+    def step(self, batch: Any) -> torch.Tensor | None:
+        """Forward and backward of the step's batch (inputs, targets); the mean loss on the last stage (a 0-d
+        tensor)."""
         import torch
 
+        from labkit.torch_support.batches import model_call, targets_of
+
+        args, keywords = model_call(batch)
+        if keywords:
+            raise TypeError("a pipeline passes one stage's outputs to the next as tensors: give batches as "
+                            "(inputs, targets) tuples, not dicts")
+        inputs, targets = args[0], targets_of(batch) if self.is_last else None
         losses: list[torch.Tensor] = []
         batched = getattr(self.group, "p2p_batched", None)  # a lab group; torch's own coalesces by itself
         with batched(self.device) if batched is not None else contextlib.nullcontext():
@@ -125,7 +136,7 @@ class PipelineRunner:
             return None
         return torch.stack([loss.detach().float() for loss in losses]).mean()
 
-    def _run_schedule(self, inputs: torch.Tensor, targets: torch.Tensor, losses: list[torch.Tensor]) -> None:
+    def _run_schedule(self, inputs: torch.Tensor, targets: torch.Tensor | None, losses: list[torch.Tensor]) -> None:
         if self.is_first and self.is_last:
             self.schedule.step(inputs, target=targets, losses=losses)
         elif self.is_first:
@@ -140,11 +151,17 @@ def apply(composition: Composition, pp_mesh: DeviceMesh, config: TrainConfig) ->
     """Keep this rank's stage; the schedule runs the final (maybe DDP/FSDP) model, once every part applied.
 
     A schedule runs several forwards before their backwards, which torch's DDP reducer rejects."""
-    keep_stage(composition.model, pp_mesh, plan=composition.plan)
+    stage = keep_stage(composition.model, pp_mesh, plan=composition.plan)
+    if stage is not composition.model:  # a stage of its own: the parts after this one split that
+        composition.model = stage
+        composition.plan = composition.plan_for(stage)
     composition.reducer_unfit.append("a pipeline schedule's several forwards before their backwards")
     schedule, microbatches = config.setting(SCHEDULE), config.micro_batches or 1
 
     def build_runner(done: Composition) -> None:
-        done.runner = PipelineRunner(done.model, pp_mesh, schedule, microbatches, done.loss_fn, done.device)
+        trainable = done.trainable
+        # The last stage has the targets only: the loss sees (None, targets) as its batch.
+        loss = (lambda output, targets: trainable.loss(output, (None, targets))) if trainable is not None else None
+        done.runner = PipelineRunner(done.model, pp_mesh, schedule, microbatches, loss, done.device)
 
     composition.after_all.append(build_runner)

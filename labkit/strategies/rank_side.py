@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 
     from labkit.spec.train_config import TrainConfig
     from labkit.strategies.compose import Composition
+    from labkit.torch_support.trainable import Trainable
 
 Parameters = dict[str, "torch.Tensor"]  # parameter name -> value
 
@@ -40,8 +41,10 @@ class OwnReference(Protocol):
     """A strategy with its own single-process reference (optional: without it, plain one-process training)."""
 
     def reference_parameters(self, config: TrainConfig, device: str | torch.device, steps: int, chunks: int = 1,
-                             data_share: tuple[int, int] | None = (0, 1)) -> tuple[Parameters, Parameters]:
-        """(initial, final) parameters after ``steps`` steps, for the rank with this share of the data.
+                             data_share: tuple[int, int] | None = (0, 1),
+                             trainable: Trainable | None = None) -> tuple[Parameters, Parameters]:
+        """(initial, final) parameters after ``steps`` steps, for the rank with this share of the data
+        (``trainable``: what the run trains; default, the catalog model ``config`` names).
 
         ``chunks`` > 1 sums each gradient in that many parts: the same mathematics,
         another rounding (what ``verify`` measures the run's rounding noise with)."""

@@ -94,10 +94,15 @@ class TrainReport:
 
     @property
     def tokens_per_second(self) -> float | None:
-        count = model(self.config.model).tokens_per_sample
+        own = self.config.own
+        if own is not None:
+            count = own.tokens_per_sample
+        else:
+            counter = model(self.config.model).tokens_per_sample
+            count = counter(self.config.model_config) if counter is not None else None
         if count is None:
             return None  # not a language model: its samples are not counted in tokens
-        return self.samples_per_second * count(self.config.model_config)
+        return self.samples_per_second * count
 
     @property
     def device_name(self) -> str:
@@ -106,7 +111,7 @@ class TrainReport:
     @property
     def model_flops_per_step(self) -> int:
         """The model's training FLOPs for one step's global batch, however it is split."""
-        return self.config.model_config.training_flops_per_sample() * self.config.global_batch
+        return self.config.training_flops_per_sample() * self.config.global_batch
 
     @property
     def achieved_tflops(self) -> float:
@@ -219,6 +224,8 @@ class TrainReport:
                 flops += f"; MFU unknown: no {math} peak known for this device (give peak_tflops=...)"
             else:
                 flops += f", MFU {self.mfu:.1%} of the {math} peak ({self.peak_tflops:g} TFLOP/s each)"
+            if config.own is not None:  # counted from the parameters alone (6 per parameter and token)
+                flops += " (a parameter-only estimate: attention and weight reuse in convolutions are not counted)"
             lines.append(flops)
         if config.max_memory:
             verdict = "within" if self.max_memory_bytes <= config.max_memory else "OVER"

@@ -169,6 +169,11 @@ def train(config, timeout_seconds: float) -> dict:
     return this_rank().requests.train(config, timeout_seconds)
 
 
+def model_state(timeout_seconds: float) -> dict:
+    """This rank's share of the trained model, whole (``lab.model_state``): every rank takes part."""
+    return this_rank().requests.model_state(timeout_seconds)
+
+
 def training_position() -> dict | None:
     """Where this rank's training state stands (None: it has none): step, whether an optimizer step was cut."""
     return this_rank().requests.training_position()

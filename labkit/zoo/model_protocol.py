@@ -29,10 +29,9 @@ notebook side imports this module without loading torch.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
-    import torch
     from torch import nn
     from torch.distributed.tensor.parallel import ParallelStyle
 
@@ -43,6 +42,15 @@ class SplitsIntoStages(Protocol):
 
     def keep_stage(self, stage: int, stages: int) -> None:
         """Drop everything pipeline ``stage`` of ``stages`` does not own; the names of what stays do not change."""
+
+
+@runtime_checkable
+class SplitsByTracing(Protocol):
+    """A pipeline stage made as a module of its own, by tracing the network (what speaks for a user's network
+    offers it where the network cannot cut itself down)."""
+
+    def split_stage(self, stage: int, stages: int) -> nn.Module:
+        """The module of pipeline ``stage`` of ``stages``, its parameters named as in the whole network."""
 
 
 @runtime_checkable
@@ -96,7 +104,11 @@ class ChecksTensorParallel(Protocol):
 
 
 class Batches(Protocol):
-    """A model's data: any step's global batch, the same on every rank and in the single-process reference."""
+    """A model's data: any step's global batch, the same on every rank and in the single-process reference.
 
-    def batch(self, step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(inputs, targets) of batch ``step``: ``size`` samples, contiguous, a pure function of the seed and step."""
+    A batch is ``(inputs, targets)`` for the catalog's models; a user's own data may make any tensor, or
+    tuples, lists or dicts of them (``torch_support.own_data``). Data may also offer
+    ``share(step, size, index, parts)``: one rank's part of that batch made without the rest."""
+
+    def batch(self, step: int, size: int) -> Any:
+        """Batch ``step``: ``size`` samples (rows), a pure function of the seed and step."""

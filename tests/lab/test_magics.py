@@ -106,7 +106,10 @@ def test_a_mistyped_command_or_option_says_what_was_meant_in_one_line(shell):
         "(see %lab --help)")
     # The words are checked before the lab is looked for: no lab is running here.
     for line, said in [
-        ("train --model resnet", "--model: unknown model 'resnet'; choose mlp or gpt (see %lab train --help)"),
+        ("train --model resnet", "--model: the notebook has no 'resnet'; give the zoo's mlp or gpt, or a name the "
+                                 "notebook defines (see %lab train --help)"),
+        ("train --model gtp", "--model: the notebook has no 'gtp'; did you mean 'gpt'? give the zoo's mlp or gpt, "
+                              "or a name the notebook defines (see %lab train --help)"),
         ("train --stpes 5", "unknown option --stpes: did you mean --steps? (see %lab train --help)"),
         ("train --schedule 1f2b", "--schedule: unknown schedule '1f2b': did you mean '1f1b'? choose gpipe or 1f1b "
                                   "(see %lab train --help)"),

@@ -1,0 +1,173 @@
+"""Your own model through the lab against a loop written by hand on the same ranks.
+
+    ./lab bench own_model [--steps 30] [--repeats 3]
+
+Two user models: a small CNN on scikit-learn's digits (real data in its wheel) and a
+2-layer Hugging Face Llama built from a config (character ids of the standard
+library's own ``json`` sources), each under DDP and FSDP on 4 gloo ranks with one
+thread each. For each pair, in one run and alternating which goes first:
+
+- ``lab.train(strategy, model=..., data=...)`` with instruments off, and with them on;
+- the same training written by hand in a cell on the same ranks (torch's DDP or
+  ``fully_shard`` on each block, the same data shares, AdamW, the same batch).
+
+The ratio of median step times (slowest rank) is the lab's cost on a model it
+did not write (targets: at most 1.03 with instruments off, 1.05 with them on).
+Also the wall time of ``lab.train(model=MyNet, steps=1)``: from the call to its
+report, packing and sending the model included. Writes bench/results/own_model.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import statistics
+import sysconfig
+import time
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from results_file import write_results
+
+from labkit import Lab
+
+RESULTS = Path(__file__).resolve().parent / "results" / "own_model.json"
+WIDTH = 16
+
+
+class DigitsCNN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(1, WIDTH, 3, padding=1)
+        self.blocks = nn.ModuleList([nn.Linear(WIDTH * 16, 256), nn.Linear(256, 256)])
+        self.head = nn.Linear(256, 10)
+
+    def forward(self, x):
+        x = F.max_pool2d(F.relu(self.conv(x)), 2).flatten(1)
+        for block in self.blocks:
+            x = F.relu(block(x))
+        return self.head(x)
+
+
+def digits_data():
+    from sklearn.datasets import load_digits
+    from torch.utils.data import TensorDataset
+
+    digits = load_digits()
+    images = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16
+    return TensorDataset(images, torch.tensor(digits.target, dtype=torch.long))
+
+
+def llama_parts():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    stdlib = sysconfig.get_paths()["stdlib"]
+    text = "".join(open(path, encoding="utf-8").read() for path in sorted(glob.glob(os.path.join(stdlib, "json",
+                                                                                                  "*.py"))))
+    alphabet = sorted(set(text))
+    ids = torch.tensor([alphabet.index(c) for c in text])
+    windows = ids[: len(ids) // 65 * 65].view(-1, 65)
+    config = LlamaConfig(vocab_size=len(alphabet), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64)
+    from torch.utils.data import TensorDataset
+
+    return (lambda: LlamaForCausalLM(config)), TensorDataset(windows[:, :-1].contiguous(), windows[:, 1:].contiguous())
+
+
+# What a person writes by hand on the ranks: build, wrap, then time each step of the same batches.
+HAND_LOOP = '''
+import statistics, time
+import torch.nn.functional as F
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel
+
+torch.manual_seed(0)
+net = bench_model()
+if bench_strategy == "ddp":
+    net = DistributedDataParallel(net)
+else:
+    blocks = max((m for m in net.modules() if isinstance(m, torch.nn.ModuleList)), key=len)
+    for block in blocks:
+        fully_shard(block)
+    fully_shard(net)
+optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3)
+share = bench_batch // world_size
+order = torch.randperm(len(bench_data), generator=torch.Generator().manual_seed(0))
+times = []
+for step in range(bench_steps):
+    first = (step * bench_batch + rank * share) % len(bench_data)
+    inputs, targets = bench_data[order[first:first + share]]
+    began = time.perf_counter()
+    optimizer.zero_grad(set_to_none=True)
+    output = net(inputs)
+    logits = output.logits if hasattr(output, "logits") else output
+    F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)).backward()
+    optimizer.step()
+    times.append(time.perf_counter() - began)
+statistics.median(times[1:])
+'''
+
+
+def hand_written(lab: Lab, strategy: str, model, data, steps: int, batch: int) -> float:
+    lab.push(bench_model=model, bench_data=data, bench_strategy=strategy, bench_steps=steps, bench_batch=batch)
+    medians = lab.run_cell(HAND_LOOP, live=False)
+    return max(float(value) for value in medians)
+
+
+def through_lab(lab: Lab, strategy: str, model, data, steps: int, batch: int, instruments: bool) -> float:
+    report = lab.train(strategy, model=model, data=data, steps=steps, global_batch=batch, lr=1e-3,
+                       instruments=instruments, log_every=10**9)
+    return report.median_step_seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    models = {"digits CNN": (DigitsCNN, digits_data(), 64)}
+    try:
+        llama, text = llama_parts()
+        models["HF Llama (2 layers)"] = (llama, text, 16)
+    except ImportError:
+        print("transformers is not installed: the Llama rows are left out")
+    rows = []
+    with Lab(ranks=4, backend="gloo", threads_per_rank=1) as lab:
+        began = time.perf_counter()
+        lab.train("ddp", model=DigitsCNN, data=models["digits CNN"][1], steps=1, log_every=10**9)
+        first_run = time.perf_counter() - began
+        began = time.perf_counter()
+        lab.train("ddp", model=DigitsCNN, data=models["digits CNN"][1], steps=1, log_every=10**9)
+        again = time.perf_counter() - began
+        for name, (model, data, batch) in models.items():
+            for strategy in ("ddp", "fsdp"):
+                measured: dict[str, list[float]] = {"hand": [], "lab": [], "lab+instruments": []}
+                for repeat in range(args.repeats):
+                    order = ["hand", "lab", "lab+instruments"]
+                    for kind in order[repeat % 3:] + order[:repeat % 3]:
+                        if kind == "hand":
+                            value = hand_written(lab, strategy, model, data, args.steps, batch)
+                        else:
+                            value = through_lab(lab, strategy, model, data, args.steps, batch,
+                                                instruments=kind != "lab")
+                        measured[kind].append(value)
+                hand = statistics.median(measured["hand"])
+                row = {"model": name, "strategy": strategy, "hand_ms": hand * 1000,
+                       "lab_ms": statistics.median(measured["lab"]) * 1000,
+                       "lab_instruments_ms": statistics.median(measured["lab+instruments"]) * 1000}
+                row["ratio"] = row["lab_ms"] / row["hand_ms"]
+                row["ratio_instruments"] = row["lab_instruments_ms"] / row["hand_ms"]
+                rows.append(row)
+                print(f"{name:22s} {strategy:5s} hand {row['hand_ms']:7.2f} ms  lab {row['lab_ms']:7.2f} ms "
+                      f"({row['ratio']:.3f}x)  with instruments {row['lab_instruments_ms']:7.2f} ms "
+                      f"({row['ratio_instruments']:.3f}x)", flush=True)
+    print(f"lab.train(model=DigitsCNN, steps=1) on 4 ranks: {first_run:.2f} s the first time, {again:.2f} s again")
+    write_results(RESULTS, {"rows": rows, "first_train_seconds": first_run, "again_train_seconds": again,
+                                "steps": args.steps, "repeats": args.repeats})
+
+
+if __name__ == "__main__":
+    main()

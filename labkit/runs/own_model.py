@@ -1,0 +1,370 @@
+"""``lab.train(model=MyNet, data=..., loss=...)``: the user's own model, data and loss, packed and checked.
+
+In the notebook, before any rank works:
+
+- **pack** what the user gave (``OwnModel``, ``spec.own_model``): the model (a
+  class or a function with no arguments that returns an ``nn.Module``), the
+  data (a map-style ``Dataset``, a function ``(step, generator) -> batch``, or
+  a function with no arguments that makes either on the ranks), the loss (a
+  function ``(output, batch) -> scalar``; default cross-entropy, said once),
+  the split options, and every name their code reads from the notebook
+  (modules, helper functions and classes, constants), found in its bytecode,
+  so a class written in a cell trains with no ``lab.push``. They travel as
+  ``lab.push`` sends values (``runs.push``): the notebook's code by source.
+- **look** at the model on the meta device (no memory: a model too big for
+  one process is still counted) and at one sample of the data: the parameter
+  count (memory estimate, MFU), the parameters' names and shapes (what a
+  checkpoint must match), tokens per sample.
+- **refuse**, once the run's mesh is known (``check_run``), what cannot work,
+  saying what to pass: tensor parallelism with no plan, a plan that names no
+  module or splits a width tp does not divide; a pipeline with no split points
+  or wrong ones; ``fsdp_units`` that match nothing; ``verify`` where the proof
+  cannot hold (dropout, batch-norm statistics over several slices).
+"""
+
+from __future__ import annotations
+
+import dis
+import functools
+import hashlib
+import inspect
+import sys
+import types
+from dataclasses import dataclass
+from typing import Any
+
+from labkit.runs.push import LAB_NAMES, NOTEBOOK_MODULE, class_statement, from_notebook, pack
+from labkit.spec.errors import LabConfigError
+from labkit.spec.own_model import OWN_SETTINGS, OwnModel
+from labkit.spec.train_config import TrainConfig
+
+# Names IPython keeps in the notebook's namespace that user code reading them never means to send.
+IPYTHON_NAMES = {"In", "Out", "get_ipython", "exit", "quit", "_", "__", "___", "_i", "_ii", "_iii", "_oh", "_dh",
+                 "__builtins__", "__name__", "__doc__", "__spec__", "__loader__", "__package__", "__builtin__"}
+DEFAULT_LOSS = "cross-entropy of the output's logits against the batch's targets (the default)"
+EXAMPLE = "lab.train('ddp', model=MyNet, data=train_set, loss=lambda output, batch: F.mse_loss(output, batch[1]))"
+
+
+@dataclass
+class Inspection:
+    """What the notebook learned of the user's model and data: kept beside the run's config to check it."""
+
+    network: Any  # the model built on the meta device (no memory)
+    sample: Any  # one sample (a batch of one) of the data, or the function's batch of step 0; None: made on ranks
+    rows: int | None  # the rows a data function returns per step (its global batch)
+    options: dict  # fsdp_units / tp_plan / pp_split as given
+
+
+def split_settings(settings: dict) -> tuple[dict, Inspection | None]:
+    """``lab.train``'s settings with the user's own model packed into ``own`` (and ``model`` its name); the
+    inspection to check the run with (None for a model of the catalog)."""
+    given = {name: settings.pop(name) for name in OWN_SETTINGS if name in settings}
+    given = {name: value for name, value in given.items() if value is not None}
+    model = settings.get("model")
+    if model is None or isinstance(model, str):
+        if given:
+            named = model or "the default model, mlp"
+            raise LabConfigError(f"{', '.join(sorted(given))} describe your own model; {named} is a model of the "
+                                 f"zoo, which makes its own data and loss. Pass your model with them "
+                                 f"({EXAMPLE}), or drop {', '.join(sorted(given))}")
+        return settings, None
+    own, inspection = pack_own(model, **given)
+    settings["model"], settings["own"] = own.name, own
+    if inspection.rows is not None and settings.get("global_batch") is None:
+        settings["global_batch"] = inspection.rows  # a data function's batch is the run's
+    return settings, inspection
+
+
+def pack_own(model: Any, data: Any = None, loss: Any = None, fsdp_units: Any = None, tp_plan: Any = None,
+             pp_split: Any = None) -> tuple[OwnModel, Inspection]:
+    """Check and pack the user's model, data, loss and options (``LabConfigError`` saying what to pass)."""
+    _check_callable("model", model, "a class or a function with no arguments that returns a torch.nn.Module")
+    if data is None:
+        raise LabConfigError(f"your own model needs its data: pass data= a map-style Dataset, or a function "
+                             f"(step, generator) -> batch. For example: {EXAMPLE}")
+    if loss is not None:
+        _check_callable("loss", loss, "a function (output, batch) -> a scalar tensor")
+    options = _options(fsdp_units, tp_plan, pp_split)
+    network = _meta_network(model)
+    sample, rows, data_name = _sample(data)
+    from labkit.torch_support.batches import tokens_per_sample
+
+    values = {**_names_read(model, data, loss, fsdp_units or ()), "labkit_model": model, "labkit_data": data,
+              "labkit_loss": loss, "labkit_options": options}
+    try:
+        items, sources, said = pack(values)
+    except LabConfigError as error:
+        raise LabConfigError(f"your model, data or loss cannot travel to the ranks: {error}") from None
+    name = type(network).__name__
+    if loss is None:
+        print(f"labkit: training {name} with the loss {DEFAULT_LOSS}; pass loss=... for another", flush=True)
+    own = OwnModel(
+        name=name, data_name=data_name, loss_name=DEFAULT_LOSS if loss is None else _called(loss),
+        items=tuple(items), sources=sources, fingerprint=_fingerprint(items), shapes=_shapes(network),
+        parameters=sum(p.numel() for p in {id(p): p for p in network.parameters()}.values()),
+        tokens_per_sample=tokens_per_sample(sample) if sample is not None else None,
+        options={key: _in_words(value) for key, value in options.items() if value is not None},
+        travelled=tuple((item_name, how) for item_name, how in said if not item_name.startswith("labkit_")),
+    )
+    return own, Inspection(network, sample, rows, options)
+
+
+# -- what was given ---------------------------------------------------------------
+
+
+def _check_callable(name: str, value: Any, what: str) -> None:
+    if not callable(value):
+        raise LabConfigError(f"{name}= is {what}, got a {type(value).__name__}: for example {EXAMPLE}")
+
+
+def _options(fsdp_units: Any, tp_plan: Any, pp_split: Any) -> dict:
+    if fsdp_units is not None:
+        fsdp_units = [fsdp_units] if isinstance(fsdp_units, (str, type)) else list(fsdp_units)
+        if not all(isinstance(unit, (str, type)) for unit in fsdp_units):
+            raise LabConfigError("fsdp_units is a list of module classes (or their names), e.g. "
+                                 "fsdp_units=[Block] or fsdp_units=['LlamaDecoderLayer']")
+    if tp_plan is not None and not isinstance(tp_plan, dict):
+        raise LabConfigError("tp_plan maps module paths to styles, e.g. tp_plan={'blocks.*.q': 'colwise', "
+                             "'blocks.*.out': 'rowwise'}")
+    if pp_split is not None:
+        pp_split = [pp_split] if isinstance(pp_split, str) else list(pp_split)
+        if not all(isinstance(point, str) for point in pp_split):
+            raise LabConfigError("pp_split is a list of module names where a stage starts, e.g. "
+                                 "pp_split=['blocks.4']")
+    return {"fsdp_units": fsdp_units, "tp_plan": tp_plan, "pp_split": pp_split}
+
+
+def _in_words(value: Any) -> Any:
+    if isinstance(value, list):
+        return [item.__name__ if isinstance(item, type) else item for item in value]
+    if isinstance(value, dict):
+        return {key: style if isinstance(style, str) else type(style).__name__ for key, style in value.items()}
+    return value
+
+
+def _called(function: Any) -> str:
+    name = getattr(function, "__name__", type(function).__name__)
+    return "a lambda" if name == "<lambda>" else name
+
+
+def _meta_network(model: Any) -> Any:
+    """The model built on the meta device (nothing allocated): its names, shapes and size."""
+    import torch
+
+    error: Exception | None = None
+    for device in ("meta", "cpu"):  # a model whose building reads its own weights cannot be built on meta
+        try:
+            with torch.random.fork_rng(devices=[]), torch.device(device):
+                network = model()
+            break
+        except Exception as failure:  # noqa: BLE001 - whatever the user's code raises is theirs, said below
+            error = error or failure
+    else:
+        raise LabConfigError(f"model={_called(model)}() failed in the notebook: {type(error).__name__}: {error}. "
+                             f"model= is a class or a function with no arguments that returns the network "
+                             f"(model=lambda: MyNet(width=256) for one with arguments)") from None
+    if not isinstance(network, torch.nn.Module):
+        raise LabConfigError(f"model={_called(model)}() returned a {type(network).__name__}, not a torch.nn.Module: "
+                             "give a class or a function with no arguments that returns the network")
+    if not any(True for _ in network.parameters()):
+        raise LabConfigError(f"{type(network).__name__} has no parameters: there is nothing to train")
+    return network
+
+
+def _sample(data: Any) -> tuple[Any, int | None, str]:
+    """(one sample as a batch of one, or a data function's batch of step 0; that function's rows; in words).
+
+    Data made by a function with no arguments is made on the ranks, not here: nothing is looked at."""
+    import torch
+
+    from labkit.torch_support.batches import check_batch
+    from labkit.torch_support.own_data import DatasetBatches, batches_for, describe_data
+
+    if _parameters(data) == 0:
+        return None, None, f"made on each rank by {_called(data)}()"
+    try:
+        batches = batches_for(data, seed=0)
+    except (TypeError, ValueError) as error:
+        raise LabConfigError(f"data=: {error}") from None
+    try:
+        if isinstance(batches, DatasetBatches):
+            from torch.utils.data import default_collate
+
+            sample = default_collate([data[0]])
+            check_batch(sample, "your data's sample 0")
+            return sample, None, describe_data(data)
+        sample = data(0, torch.Generator().manual_seed(0))
+        rows = check_batch(sample, "your data function's batch of step 0")
+    except (TypeError, ValueError) as error:
+        raise LabConfigError(f"data=: {error}") from None
+    return sample, rows, describe_data(data)
+
+
+def _parameters(function: Any) -> int | None:
+    """How many positional arguments ``function`` takes (None: not a function, e.g. a Dataset)."""
+    if not callable(function) or (not isinstance(function, type) and hasattr(function, "__getitem__")):
+        return None  # a Dataset
+    try:
+        signature = inspect.signature(function)
+    except (TypeError, ValueError):
+        return None
+    return sum(1 for parameter in signature.parameters.values()
+               if parameter.default is parameter.empty and parameter.kind in (parameter.POSITIONAL_ONLY,
+                                                                              parameter.POSITIONAL_OR_KEYWORD))
+
+
+# -- the names the user's code reads from the notebook ------------------------------------------------
+
+
+def _names_read(*roots: Any) -> dict:
+    """The notebook's names the user's code reads (found in its bytecode), and those their code reads in turn."""
+    namespace = _notebook_namespace()
+    found: dict = {}
+    waiting = [root for root in _flattened(roots)]
+    seen: set[int] = set()
+    while waiting:
+        value = waiting.pop()
+        if id(value) in seen:
+            continue
+        seen.add(id(value))
+        if not isinstance(value, type) and from_notebook(type(value)):
+            waiting.append(type(value))  # an instance of a class written in a cell (a Dataset): its class too
+        if not from_notebook(value):
+            continue
+        for name in _global_names(value):
+            if name in found or name in IPYTHON_NAMES or name in LAB_NAMES or name not in namespace:
+                continue
+            found[name] = namespace[name]
+            waiting.append(namespace[name])
+        if isinstance(value, type):
+            found.setdefault(value.__name__, value)  # a class its instances are pickled by name against
+    return found
+
+
+def _notebook_namespace() -> dict:
+    """The names the notebook's cells define: IPython's user namespace in a kernel, else ``__main__``'s."""
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        shell = None
+    else:
+        shell = get_ipython()
+    if shell is not None:
+        return shell.user_ns
+    return vars(sys.modules.get(NOTEBOOK_MODULE, types.ModuleType(NOTEBOOK_MODULE)))
+
+
+def _flattened(roots: tuple) -> list:
+    values: list = []
+    for root in roots:
+        if isinstance(root, (list, tuple)):
+            values.extend(root)
+        elif isinstance(root, functools.partial):
+            values.extend([root.func, *root.args, *root.keywords.values()])
+        elif root is not None:
+            values.append(root)
+    return values
+
+
+def _global_names(value: Any) -> set[str]:
+    """The global names a notebook function or class reads (for a class: its methods' and its statement's)."""
+    if isinstance(value, types.FunctionType):
+        return _code_globals(value.__code__)
+    names: set[str] = set()
+    for member in vars(value).values():
+        for part in (member, getattr(member, "__func__", None), getattr(member, "fget", None)):
+            if isinstance(part, types.FunctionType):
+                names |= _code_globals(part.__code__)
+    found = class_statement(value)
+    if found is not None:
+        import ast
+
+        tree = ast.parse(found[2])
+        for node in ast.walk(tree):  # bases, decorators, class attributes (methods' bodies read above)
+            if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load):
+                names.add(node.id)
+    return names
+
+
+def _code_globals(code: types.CodeType) -> set[str]:
+    names = {instruction.argval for instruction in dis.get_instructions(code)
+             if instruction.opname in ("LOAD_GLOBAL", "LOAD_NAME") and isinstance(instruction.argval, str)}
+    for constant in code.co_consts:
+        if isinstance(constant, types.CodeType):  # nested functions, lambdas, comprehensions
+            names |= _code_globals(constant)
+    return names
+
+
+# -- digests ----------------------------------------------------------------------------------------------
+
+
+def _fingerprint(items: list[dict]) -> str:
+    digest = hashlib.sha256()
+    for item in sorted(items, key=lambda item: item["name"]):
+        digest.update(item["name"].encode())
+        for key in ("module", "source", "data"):
+            value = item.get(key)
+            if value is not None:
+                digest.update(value if isinstance(value, bytes) else str(value).encode())
+    return digest.hexdigest()[:16]
+
+
+def _shapes(network: Any) -> str:
+    lines = sorted(f"{name}:{tuple(parameter.shape)}" for name, parameter in network.named_parameters())
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16]
+
+
+# -- the checks that need the run's mesh ---------------------------------------------------------------------
+
+
+HEAD_COUNTS = ("num_attention_heads", "num_key_value_heads", "n_head")  # a Hugging Face config's heads
+
+
+def _check_heads(network: Any, tp: int) -> None:
+    """Attention heads split whole over tensor-parallel ranks: a Hugging Face config's counts must divide."""
+    settings = getattr(network, "config", None)
+    for name in HEAD_COUNTS:
+        count = getattr(settings, name, None)
+        if isinstance(count, int) and count % tp:
+            raise ValueError(f"tp={tp} splits attention heads whole, and the model's config has {name}={count}: "
+                             f"use a tp size that divides {count}, or a config whose {name} tp divides")
+
+
+def check_run(inspection: Inspection, config: TrainConfig) -> None:
+    """Refuse, before any rank works, what the run's strategy cannot do with this model, saying what to pass."""
+    from labkit.zoo import own_plan
+
+    network, options, parts = inspection.network, inspection.options, config.parts
+    try:
+        if options["fsdp_units"] and "fsdp" in parts:
+            own_plan.check_fsdp_units(network, options["fsdp_units"])
+        if "tp" in parts:
+            plan = options["tp_plan"]
+            if plan is None and not callable(getattr(network, "tp_plan", None)):
+                plan = own_plan.hf_tp_plan(network)
+                if plan is None:
+                    own_plan.ModulePlan(network).tp_plan()  # raises, with an example made from the model
+            if plan is not None:
+                own_plan.check_tp_plan(network, plan, config.axis("tp"))
+            _check_heads(network, config.axis("tp"))
+        if "pp" in parts:
+            if options["pp_split"] or not callable(getattr(network, "keep_stage", None)):
+                own_plan.check_pp_split(network, options["pp_split"], config.axis("pp"))
+                if "tp" in parts:
+                    raise ValueError("pp cuts your model into stages by tracing its forward, which cannot follow "
+                                     "tensor-parallel parameters: train it under pp or tp (or fsdp+pp, ddp+pp, "
+                                     "fsdp+tp), or give the model a keep_stage(stage, stages) method for pp+tp")
+            if isinstance(inspection.sample, dict):
+                raise ValueError("a pipeline passes tensors from stage to stage: give batches as (inputs, targets) "
+                                 "tuples, not dicts, to train under pp")
+        if config.verify:
+            slices = config.data_parts * (config.micro_batches or 1)
+            refusal = own_plan.verify_refusal(network, data_parallel=slices > 1)
+            if refusal:
+                raise ValueError(f"verify=True cannot hold for {network.__class__.__name__}: {refusal}")
+    except ValueError as error:
+        raise LabConfigError(str(error)) from None
+    if inspection.rows is not None and inspection.rows != config.global_batch:
+        raise LabConfigError(f"your data function returns {inspection.rows} rows per step, and the run's global "
+                             f"batch is {config.global_batch}: pass global_batch={inspection.rows}, or make the "
+                             f"function return {config.global_batch}")

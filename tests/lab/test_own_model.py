@@ -1,0 +1,257 @@
+"""The user's own model, data and loss in ``lab.train``, on one real 4-rank lab started through IPython's shell.
+
+Everything the model is made of is written in the shell's cells (``define``), as a notebook
+would: a CNN class on scikit-learn's digits (real data shipped inside its wheel), a small
+transformer-like class with blocks, a Hugging Face Llama built from a config with no weights.
+Each trains under the lab's strategies, with the single-process proof (``verify``), resumes
+bitwise, saves and loads checkpoints, and is refused, before any rank works, where a strategy
+needs what was not given.
+"""
+
+import os
+
+import pytest
+import torch
+
+from labkit.spec.errors import LabConfigError
+from tests.conftest import lab_shell
+
+pytestmark = pytest.mark.lab
+
+DIGITS = '''
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from sklearn.datasets import load_digits
+from torch.utils.data import TensorDataset
+
+digits = load_digits()
+images = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16
+labels = torch.tensor(digits.target, dtype=torch.long)
+train_set = TensorDataset(images[:1500], labels[:1500])
+held_out = (images[1500:], labels[1500:])
+
+WIDTH = 8
+
+class DigitsCNN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(1, WIDTH, 3, padding=1)
+        self.blocks = nn.ModuleList([nn.Linear(WIDTH * 16, 64), nn.Linear(64, 64)])
+        self.head = nn.Linear(64, 10)
+
+    def forward(self, x):
+        x = F.max_pool2d(F.relu(self.conv(x)), 2).flatten(1)
+        for block in self.blocks:
+            x = F.relu(block(x))
+        return self.head(x)
+
+def accuracy(state):
+    net = DigitsCNN()
+    net.load_state_dict(state)
+    with torch.no_grad():
+        return (net(held_out[0]).argmax(1) == held_out[1]).float().mean().item()
+'''
+
+BLOCKS = '''
+class Block(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.up = nn.Linear(dim, 4 * dim)
+        self.down = nn.Linear(4 * dim, dim)
+
+    def forward(self, x):
+        return x + self.down(torch.tanh(self.up(x)))
+
+class Tower(nn.Module):
+    def __init__(self, dim=16, depth=4):
+        super().__init__()
+        self.embed = nn.Linear(8, dim)
+        self.blocks = nn.ModuleList([Block(dim) for _ in range(depth)])
+        self.head = nn.Linear(dim, 3)
+
+    def forward(self, x):
+        x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+def regression(step, generator):
+    x = torch.randn(16, 8, generator=generator)
+    return x, torch.stack([x[:, :3].sum(1), x[:, 3:6].prod(1), x[:, 6:].sin().sum(1)], dim=1)
+
+def mse(output, batch):
+    return F.mse_loss(output, batch[1])
+'''
+
+
+@pytest.fixture(scope="module")
+def shell():
+    with lab_shell("4 --backend gloo --threads 1 --timeout 120") as ip:
+        define(ip, DIGITS + BLOCKS)
+        yield ip
+
+
+@pytest.fixture(scope="module")
+def lab(shell):
+    return shell.user_ns["lab"]
+
+
+def define(shell, code: str) -> dict:
+    shell.run_cell(code).raise_error()
+    return shell.user_ns
+
+
+def verified(report) -> None:
+    assert report.max_relative_difference < report.equivalence_bound, str(report)
+    assert report.verify["model_moved"] > 1e-3, "training must move the model, or equality proves nothing"
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_notebook_cnn_learns_the_digits_equal_to_one_process(shell, lab, strategy, capsys):
+    notebook = shell.user_ns
+    report = lab.train(strategy, model=notebook["DigitsCNN"], data=notebook["train_set"], steps=20,
+                       global_batch=64, lr=1e-2, verify=True, log_every=100)
+    verified(report)
+    assert report.losses[-1] < report.losses[0] * 0.6
+    said = capsys.readouterr().out
+    assert "cross-entropy" in said  # the default loss is said
+    assert "DigitsCNN under " + strategy in str(report)
+    accuracy = notebook["accuracy"](lab.model_state())
+    assert accuracy > 0.5, f"held-out accuracy {accuracy:.2f} after 20 steps"
+
+
+def test_fsdp_shards_the_largest_module_list_by_default_and_given_classes(shell, lab):
+    notebook = shell.user_ns
+    ddp = lab.train("ddp", model=notebook["Tower"], data=notebook["regression"], loss=notebook["mse"], steps=1)
+    fsdp = lab.train("fsdp", model=notebook["Tower"], data=notebook["regression"], loss=notebook["mse"], steps=2,
+                     verify=True)
+    verified(fsdp)
+    assert max(m["params"] for m in fsdp.memory) < max(m["params"] for m in ddp.memory) / 2
+    units = lab.train("fsdp", model=notebook["Tower"], data=notebook["regression"], loss=notebook["mse"], steps=2,
+                      fsdp_units=[notebook["Block"]], verify=True)
+    verified(units)
+
+
+def test_a_notebook_class_under_pp_with_split_points(shell, lab):
+    notebook = shell.user_ns
+    report = lab.train("pp", model=notebook["Tower"], data=notebook["regression"], loss=notebook["mse"], steps=3,
+                       pp_split=["blocks.1", "blocks.2", "blocks.3"], verify=True)
+    verified(report)
+    report = lab.train("ddp+pp", mesh=dict(dp=2, pp=2), model=notebook["Tower"], data=notebook["regression"],
+                       loss=notebook["mse"], steps=3, pp_split=["blocks.2"], global_batch=16, verify=True)
+    verified(report)
+
+
+def test_tp_takes_a_plan_of_module_patterns(shell, lab):
+    notebook = shell.user_ns
+    plan = {"blocks.*.up": "colwise", "blocks.*.down": "rowwise"}
+    report = lab.train("tp", model=notebook["Tower"], data=notebook["regression"], loss=notebook["mse"], steps=3,
+                       tp_plan=plan, verify=True)
+    verified(report)
+    report = lab.train("fsdp+tp", mesh=dict(dp=2, tp=2), model=notebook["Tower"], data=notebook["regression"],
+                       loss=notebook["mse"], steps=3, tp_plan=plan, verify=True)
+    verified(report)
+
+
+def test_diloco_and_the_parameter_server_need_no_more_input(shell, lab):
+    notebook = shell.user_ns
+    report = lab.train("diloco", model=notebook["Tower"], data=notebook["regression"], loss=notebook["mse"],
+                       steps=4, verify=True)
+    verified(report)
+    report = lab.train("ps", model=notebook["DigitsCNN"], data=notebook["train_set"], steps=4, verify=True)
+    verified(report)
+    with pytest.raises(LabConfigError, match="Your data function makes each step's batch: make it return 15 or 18 rows"):
+        lab.train("ps", model=notebook["Tower"], data=notebook["regression"], loss=notebook["mse"])
+
+
+def test_what_a_strategy_lacks_is_refused_before_any_rank_works(shell, lab):
+    notebook = shell.user_ns
+    own = dict(model=notebook["Tower"], data=notebook["regression"], loss=notebook["mse"])
+    with pytest.raises(LabConfigError, match=r"tp needs a plan.*tp_plan=\{"):
+        lab.train("tp", **own)
+    with pytest.raises(LabConfigError, match=r"pp needs split points.*pp_split=\["):
+        lab.train("pp", **own)
+    with pytest.raises(LabConfigError, match=r"blocks\.9"):
+        lab.train("pp", pp_split=["blocks.1", "blocks.2", "blocks.9"], **own)
+    with pytest.raises(LabConfigError, match=r"blocks\.\*\.nothing"):
+        lab.train("tp", tp_plan={"blocks.*.nothing": "colwise"}, **own)
+    with pytest.raises(LabConfigError, match="returns 16 rows"):
+        lab.train("ddp", global_batch=32, **own)
+    with pytest.raises(LabConfigError, match=r"data describe your own model; mlp is a model of the zoo"):
+        lab.train("ddp", model="mlp", data=notebook["train_set"])
+    define(shell, "class Dropping(nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+                  "        self.body = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.2), nn.Linear(8, 3))\n\n"
+                  "    def forward(self, x):\n        return self.body(x)\n")
+    with pytest.raises(LabConfigError, match=r"body\.1.*p=0\.2"):
+        lab.train("ddp", model=notebook["Dropping"], data=notebook["regression"], loss=notebook["mse"], verify=True)
+    assert lab.session.busy_with is None
+
+
+def test_resume_continues_from_the_data_position_bitwise(shell, lab):
+    notebook = shell.user_ns
+    own = dict(model=notebook["DigitsCNN"], data=notebook["train_set"], global_batch=64, log_every=100)
+    lab.train("fsdp", steps=30, **own)  # 30 x 64 samples: past the first epoch of 1,500
+    whole = lab.model_state()
+    lab.train("fsdp", steps=18, **own)
+    lab.train(steps=12, resume=True)
+    resumed = lab.model_state()
+    assert all(torch.equal(whole[name], resumed[name]) for name in whole)
+
+
+def test_a_checkpoint_in_a_users_folder_loads_resharded_and_asks_for_the_model(shell, lab, tmp_path):
+    notebook = shell.user_ns
+    own = dict(model=notebook["Tower"], data=notebook["regression"], loss=notebook["mse"])
+    folder = tmp_path / "my experiments"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("mine")
+    lab.train("fsdp", steps=3, **own)
+    target = lab.save(str(folder / "tower"))
+    lab.train("fsdp", steps=2, resume=True)
+    after_five = lab.model_state()
+    with pytest.raises(LabConfigError, match=r"your own model Tower: give it again"):
+        lab.load(target)
+    lab.load(target, strategy="ddp", **own)
+    lab.train(steps=2, resume=True)
+    reloaded = lab.model_state()
+    assert all(torch.allclose(after_five[name], reloaded[name], rtol=1e-5, atol=1e-6) for name in after_five)
+    assert (folder / "notes.txt").read_text() == "mine"
+    assert os.path.isdir(target)
+
+
+def test_the_magic_takes_the_notebooks_names(shell, lab, capsys):
+    report = shell.run_line_magic("lab", "train --strategy ddp --model Tower --data regression --loss mse --steps 2")
+    assert report.steps_done == 2
+    assert "Tower under ddp" in str(report)
+
+
+def test_a_hugging_face_llama_with_its_own_tp_plan(shell, lab):
+    pytest.importorskip("transformers")
+    define(shell, '''
+import glob, os, sysconfig
+from transformers import LlamaConfig, LlamaForCausalLM
+
+text = "".join(open(path, encoding="utf-8").read() for path in sorted(glob.glob(
+    os.path.join(sysconfig.get_paths()["stdlib"], "json", "*.py"))))
+alphabet = sorted(set(text))
+ids = torch.tensor([alphabet.index(c) for c in text[:20000]])
+llama_config = LlamaConfig(vocab_size=len(alphabet), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64)
+
+def tiny_llama():
+    return LlamaForCausalLM(llama_config)
+
+def characters(step, generator):
+    starts = torch.randint(0, len(ids) - 33, (8,), generator=generator)
+    window = torch.stack([ids[s:s + 33] for s in starts.tolist()])
+    return window[:, :-1], window[:, 1:]
+''')
+    notebook = shell.user_ns
+    own = dict(model=notebook["tiny_llama"], data=notebook["characters"], steps=3, verify=True, log_every=100)
+    for strategy, mesh in (("fsdp", None), ("tp", None), ("fsdp+tp", dict(dp=2, tp=2))):
+        report = lab.train(strategy, mesh=mesh, **own)
+        verified(report)
+        assert report.tokens_per_second is not None
+    define(shell, "llama_config.num_key_value_heads = 2")
+    with pytest.raises(LabConfigError, match="num_key_value_heads=2"):
+        lab.train("tp", **own)

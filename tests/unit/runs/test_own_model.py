@@ -1,0 +1,135 @@
+"""Packing the user's own model in the notebook: what travels, what is counted, what is refused (no processes).
+
+The notebook's code is made as IPython makes it: compiled under a cell's name, its lines kept
+in ``linecache``, run in ``__main__``'s namespace.
+"""
+
+import linecache
+import sys
+
+import pytest
+import torch
+
+from labkit.runs.own_model import check_run, pack_own, split_settings
+from labkit.spec.errors import LabConfigError
+from labkit.spec.train_config import checkpoint_settings, identity_differences, resolve, resume_differences
+
+CELL = '''
+import torch.nn as nn
+import torch.nn.functional as F
+
+HIDDEN = 10
+
+def activation(x):
+    return F.gelu(x)
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.Linear(HIDDEN, HIDDEN)
+
+    def forward(self, x):
+        return activation(self.inner(x))
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(4, HIDDEN)
+        self.blocks = nn.ModuleList([Block() for _ in range(3)])
+        self.drop = nn.Dropout(0.1)
+        self.head = nn.Linear(HIDDEN, 2)
+
+    def forward(self, x):
+        x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.drop(x))
+
+def make_batch(step, generator):
+    x = torch.randn(8, 4, generator=generator)
+    return x, (x.sum(1) > 0).long()
+
+def summed(output, batch):
+    return output.sum()
+
+unrelated = object()
+'''
+
+
+@pytest.fixture()
+def notebook(monkeypatch):
+    """The cell above, defined in ``__main__`` as a notebook defines it; removed afterwards."""
+    main = sys.modules["__main__"]
+    name = "<ipython-input-own-model>"
+    lines = CELL.splitlines(keepends=True)
+    linecache.cache[name] = (len(CELL), None, lines, name)
+    namespace: dict = {"__name__": "__main__", "torch": torch}
+    exec(compile(CELL, name, "exec"), namespace)
+    for key, value in namespace.items():
+        if not key.startswith("__"):
+            monkeypatch.setattr(main, key, value, raising=False)
+    yield namespace
+    linecache.cache.pop(name, None)
+
+
+def test_the_names_the_model_reads_travel_with_it_and_nothing_else(notebook):
+    own, inspection = pack_own(notebook["Net"], data=notebook["make_batch"])
+    travelled = dict(own.travelled)
+    assert {"nn", "F", "HIDDEN", "activation", "Block", "Net"} <= set(travelled)
+    assert travelled["Block"] == "by source" and travelled["nn"] == "module torch.nn"
+    assert "unrelated" not in travelled
+    assert own.name == "Net"
+    assert own.parameters == sum(p.numel() for p in notebook["Net"]().parameters())
+    assert inspection.rows == 8
+    assert next(inspection.network.parameters()).device.type == "meta"
+
+
+def test_the_same_model_packed_twice_is_equal_and_a_changed_one_is_not(notebook):
+    first, _ = pack_own(notebook["Net"], data=notebook["make_batch"])
+    again, _ = pack_own(notebook["Net"], data=notebook["make_batch"])
+    assert first == again and first.shapes == again.shapes
+    other, _ = pack_own(notebook["Net"], data=notebook["make_batch"], loss=notebook["summed"])
+    assert other != first and other.shapes == first.shapes
+
+
+def test_a_data_functions_rows_become_the_global_batch_and_a_zoo_model_refuses_own_settings(notebook):
+    settings, inspection = split_settings(dict(model=notebook["Net"], data=notebook["make_batch"]))
+    assert settings["global_batch"] == 8 and settings["model"] == "Net" and inspection is not None
+    with pytest.raises(LabConfigError, match="data describe your own model; gpt is a model of the zoo"):
+        split_settings(dict(model="gpt", data=notebook["make_batch"]))
+    with pytest.raises(LabConfigError, match="needs its data"):
+        split_settings(dict(model=notebook["Net"]))
+    with pytest.raises(LabConfigError, match="not a torch.nn.Module"):
+        split_settings(dict(model=lambda: 3, data=notebook["make_batch"]))
+
+
+def _config(notebook, strategy="ddp", **settings):
+    settings, inspection = split_settings(dict(model=notebook["Net"], data=notebook["make_batch"], **settings))
+    return resolve(4, strategy=strategy, **settings), inspection
+
+
+def test_refusals_name_what_to_pass(notebook):
+    config, inspection = _config(notebook, "tp")
+    with pytest.raises(LabConfigError, match=r"tp needs a plan.*tp_plan="):
+        check_run(inspection, config)
+    config, inspection = _config(notebook, "pp", global_batch=16)
+    with pytest.raises(LabConfigError, match=r"pp_split=\["):
+        check_run(inspection, config)
+    config, inspection = _config(notebook, "ddp", verify=True)
+    with pytest.raises(LabConfigError, match=r"drop.*p=0\.1"):
+        check_run(inspection, config)
+    config, inspection = _config(notebook, "tp", tp_plan={"blocks.*.inner": "colwise"})
+    with pytest.raises(LabConfigError, match=r"blocks\.0\.inner"):
+        check_run(inspection, config)  # 10 output features do not split over 4 ranks
+    config, inspection = _config(notebook, "ddp", global_batch=16)
+    with pytest.raises(LabConfigError, match="returns 8 rows per step"):
+        check_run(inspection, config)
+
+
+def test_a_checkpoint_records_the_models_identity_and_a_load_compares_it(notebook):
+    config, _ = _config(notebook)
+    saved = checkpoint_settings(config)["settings"]
+    assert saved["own"] == {"name": "Net", "shapes": config.own.shapes}
+    assert identity_differences(saved, {"own": config.own}) == []
+    assert identity_differences(saved, {"own": None})  # given nothing for a checkpoint of an own model
+    assert resume_differences(config, config) == []
