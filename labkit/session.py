@@ -83,6 +83,7 @@ class Session:
         # The simulated slow link (a spec.link.LinkSpec, lab.link), kept like the mesh: every group formed gets it.
         self.link: LinkSpec | None = None
         self.last_training: TrainingRecord | None = None  # what the ranks' TrainState holds
+        self.said: set[str] = set()  # notes the user has been told once and need not read again
         self.interrupted: Interrupted | None = None  # the last run, when it failed before its end
         self._holder: RunHolder | None = None  # long work that owns the ranks (a TrainingRun, a TaskQueue)
         self.foreground: RankWork | None = None  # the work a call (a cell, lab.run) waits for now: lab.status shows it

@@ -160,6 +160,9 @@ def run_ensemble(session: Session, model: str = "gpt", members: int = 4, steps: 
                  timeout: float | None = None, retries: int | None = None, live: bool | None = None
                  ) -> EnsembleReport:
     """Train ``members`` models apart on the lab's ranks and combine them; see the module docstring."""
+    if not isinstance(model, str):
+        raise LabConfigError(f"lab.ensemble trains the catalog's models ({', '.join(model_names())}) by name; your "
+                             f"own model trains with lab.train(strategy, model=..., data=...)")
     if combine not in COMBINES:
         raise LabConfigError(f"combine is 'mean' (averaged probabilities) or 'vote' (majority), got {combine!r}")
     if combine == "vote" and not declared_model(model).classifies:

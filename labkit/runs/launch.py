@@ -70,6 +70,9 @@ def resolve_run(session: Session, settings: dict, mesh: dict | None, resume: boo
                                  f"{'; '.join(differences)}. Train without resume=True for a new run.")
     if inspection is not None:
         check_run(inspection, config)
+        if inspection.note and inspection.note not in session.said:  # said once, not at every run
+            session.said.add(inspection.note)
+            print(inspection.note, flush=True)
     return config
 
 

@@ -53,6 +53,7 @@ class Inspection:
     sample: Any  # one sample (a batch of one) of the data, or the function's batch of step 0; None: made on ranks
     rows: int | None  # the rows a data function returns per step (its global batch)
     options: dict  # fsdp_units / tp_plan / pp_split as given
+    note: str = ""  # what to tell the user once (the default loss)
 
 
 def split_settings(settings: dict) -> tuple[dict, Inspection | None]:
@@ -96,8 +97,6 @@ def pack_own(model: Any, data: Any = None, loss: Any = None, fsdp_units: Any = N
     except LabConfigError as error:
         raise LabConfigError(f"your model, data or loss cannot travel to the ranks: {error}") from None
     name = type(network).__name__
-    if loss is None:
-        print(f"labkit: training {name} with the loss {DEFAULT_LOSS}; pass loss=... for another", flush=True)
     own = OwnModel(
         name=name, data_name=data_name, loss_name=DEFAULT_LOSS if loss is None else _called(loss),
         items=tuple(items), sources=sources, fingerprint=_fingerprint(items), shapes=_shapes(network),
@@ -106,7 +105,8 @@ def pack_own(model: Any, data: Any = None, loss: Any = None, fsdp_units: Any = N
         options={key: _in_words(value) for key, value in options.items() if value is not None},
         travelled=tuple((item_name, how) for item_name, how in said if not item_name.startswith("labkit_")),
     )
-    return own, Inspection(network, sample, rows, options)
+    note = f"labkit: training {name} with the loss {DEFAULT_LOSS}; pass loss=... for another" if loss is None else ""
+    return own, Inspection(network, sample, rows, options, note)
 
 
 # -- what was given ---------------------------------------------------------------

@@ -9,6 +9,7 @@ needs what was not given.
 """
 
 import os
+import time
 
 import pytest
 import torch
@@ -115,7 +116,7 @@ def test_a_notebook_cnn_learns_the_digits_equal_to_one_process(shell, lab, strat
     verified(report)
     assert report.losses[-1] < report.losses[0] * 0.6
     said = capsys.readouterr().out
-    assert "cross-entropy" in said  # the default loss is said
+    assert ("cross-entropy" in said) == (strategy == "ddp")  # the default loss is said once, at the first run
     assert "DigitsCNN under " + strategy in str(report)
     accuracy = notebook["accuracy"](lab.model_state())
     assert accuracy > 0.5, f"held-out accuracy {accuracy:.2f} after 20 steps"
@@ -255,3 +256,54 @@ def characters(step, generator):
     define(shell, "llama_config.num_key_value_heads = 2")
     with pytest.raises(LabConfigError, match="num_key_value_heads=2"):
         lab.train("tp", **own)
+
+
+def test_auto_heal_sends_the_model_again_and_ends_as_an_uninterrupted_run(shell, lab, tmp_path):
+    notebook = shell.user_ns
+    own = dict(model=notebook["DigitsCNN"], data=notebook["train_set"], global_batch=64, log_every=1000)
+    lab.train("fsdp", steps=16, **own)
+    uninterrupted = lab.model_state()
+    lab.slow(2, 0.05)  # the kill lands mid-run
+    try:
+        run = lab.train("fsdp", steps=16, checkpoint_every=4, checkpoint_dir=str(tmp_path), auto_heal=True,
+                        background=True, **own)
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "step-00000004" / "labkit.json").exists() and time.monotonic() < deadline:
+            assert not run.done, run.status()
+            time.sleep(0.05)
+        lab.kill(1)  # its replacement has an empty namespace: DigitsCNN, nn, F... must come with the run
+        report = run.wait(120)
+    finally:
+        lab.slow(2, None)
+    assert len(report.notes) == 1 and "rank 1 died" in report.notes[0]
+    healed = lab.model_state()
+    assert all(torch.equal(uninterrupted[name], healed[name]) for name in uninterrupted)
+
+
+def test_the_dashboard_and_the_memory_budget_work_for_an_own_model(shell, lab):
+    from labkit.runs.budget import MemoryBudgetError
+
+    notebook = shell.user_ns
+    own = dict(model=notebook["Tower"], data=notebook["regression"], loss=notebook["mse"])
+    run = lab.train("ddp", steps=6, dashboard=True, background=True, **own)
+    report = run.wait(60)
+    assert report.steps_done == 6 and run.dashboard is not None
+    assert all(len(run.table.rows[rank]) == 6 for rank in range(4))  # every rank's step rows reached it
+    with pytest.raises(MemoryBudgetError, match=r"(?s)Tower under ddp needs .*under sharding strategies on these 4 ranks: fsdp"):
+        lab.train("ddp", max_memory="8KB", **own)
+
+
+def test_a_checkpoint_loads_on_another_number_of_ranks(shell, lab, tmp_path):
+    from tests.conftest import started_lab
+
+    notebook = shell.user_ns
+    own = dict(model=notebook["Tower"], data=notebook["regression"], loss=notebook["mse"])
+    lab.train("fsdp", steps=3, **own)
+    target = lab.save(str(tmp_path / "tower"))
+    lab.train(steps=2, resume=True)
+    after_five = lab.model_state()
+    with started_lab(2) as two:
+        two.load(target, **own)
+        two.train(steps=2, resume=True)
+        on_two = two.model_state()
+    assert all(torch.allclose(after_five[name], on_two[name], rtol=1e-5, atol=1e-6) for name in after_five)

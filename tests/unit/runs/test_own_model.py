@@ -133,3 +133,10 @@ def test_a_checkpoint_records_the_models_identity_and_a_load_compares_it(noteboo
     assert identity_differences(saved, {"own": config.own}) == []
     assert identity_differences(saved, {"own": None})  # given nothing for a checkpoint of an own model
     assert resume_differences(config, config) == []
+
+
+def test_an_ensemble_of_an_own_model_is_refused_naming_lab_train(notebook):
+    from labkit.runs.ensemble import run_ensemble
+
+    with pytest.raises(LabConfigError, match=r"lab.ensemble trains the catalog's models .*lab.train\(strategy, model="):
+        run_ensemble(None, notebook["Net"])  # refused before the session is used
