@@ -301,7 +301,7 @@ class Lab:
         model: 'mlp' (default), 'gpt', an installed plugin's model (``model_settings`` resizes it), or your own: a
         class or function of no arguments making an ``nn.Module``, with ``data`` (a map-style ``Dataset``, or
         ``(step, generator) -> batch``) and ``loss`` (``(output, batch) -> scalar``; default cross-entropy); for
-        splits: ``fsdp_units``, ``tp_plan``, ``pp_split`` (docs/own-model.md).
+        splits: ``fsdp_units``, ``tp_plan``, ``pp_split``; ``attention`` for MFU (docs/own-model.md).
         resume: continue the last run for ``steps`` more steps from the model, optimizer, data position and random
         state the ranks kept (only its length and reporting may change): the same as one run of all the steps.
         mesh: axis sizes for a composition, e.g. ``dict(dp=2, tp=2)`` (default: the lab's mesh when its axes fit,

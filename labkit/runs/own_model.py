@@ -77,7 +77,7 @@ def split_settings(settings: dict) -> tuple[dict, Inspection | None]:
 
 
 def pack_own(model: Any, data: Any = None, loss: Any = None, fsdp_units: Any = None, tp_plan: Any = None,
-             pp_split: Any = None) -> tuple[OwnModel, Inspection]:
+             pp_split: Any = None, attention: Any = None) -> tuple[OwnModel, Inspection]:
     """Check and pack the user's model, data, loss and options (``LabConfigError`` saying what to pass)."""
     _check_callable("model", model, "a class or a function with no arguments that returns a torch.nn.Module")
     if data is None:
@@ -97,11 +97,12 @@ def pack_own(model: Any, data: Any = None, loss: Any = None, fsdp_units: Any = N
     except LabConfigError as error:
         raise LabConfigError(f"your model, data or loss cannot travel to the ranks: {error}") from None
     name = type(network).__name__
+    tokens = tokens_per_sample(sample) if sample is not None else None
     own = OwnModel(
         name=name, data_name=data_name, loss_name=DEFAULT_LOSS if loss is None else _called(loss),
         items=tuple(items), sources=sources, fingerprint=_fingerprint(items), shapes=_shapes(network),
         parameters=sum(p.numel() for p in {id(p): p for p in network.parameters()}.values()),
-        tokens_per_sample=tokens_per_sample(sample) if sample is not None else None,
+        tokens_per_sample=tokens, attention=_attention(attention, network, tokens),
         options={key: _in_words(value) for key, value in options.items() if value is not None},
         travelled=tuple((item_name, how) for item_name, how in said if not item_name.startswith("labkit_")),
     )
@@ -132,6 +133,30 @@ def _options(fsdp_units: Any, tp_plan: Any, pp_split: Any) -> dict:
             raise LabConfigError("pp_split is a list of module names where a stage starts, e.g. "
                                  "pp_split=['blocks.4']")
     return {"fsdp_units": fsdp_units, "tp_plan": tp_plan, "pp_split": pp_split}
+
+
+# The names a Hugging Face config gives a transformer's depth and width (Llama/BERT's, GPT-2's).
+CONFIG_SHAPES = (("num_hidden_layers", "hidden_size"), ("n_layer", "n_embd"))
+
+
+def _attention(given: Any, network: Any, tokens: int | None) -> tuple[int, int] | None:
+    """(layers, width) of the model's attention for its FLOPs: given as ``attention=dict(layers=L, dim=d)``, or
+    read from a Hugging Face config; None when neither says (the estimate then counts parameters only)."""
+    if given is not None:
+        layers, width = (given.get("layers"), given.get("dim")) if isinstance(given, dict) else (None, None)
+        if not (isinstance(layers, int) and isinstance(width, int) and layers > 0 and width > 0):
+            raise LabConfigError("attention is the shape of your transformer's attention, for its FLOPs: "
+                                 "attention=dict(layers=12, dim=768)")
+        if tokens is None:
+            raise LabConfigError("attention is counted per token, and your model's inputs are not token ids "
+                                 "(a 2-D integer tensor): drop attention=")
+        return layers, width
+    config = getattr(network, "config", None)
+    for layers_name, width_name in CONFIG_SHAPES:
+        layers, width = getattr(config, layers_name, None), getattr(config, width_name, None)
+        if isinstance(layers, int) and isinstance(width, int) and tokens is not None:
+            return layers, width
+    return None
 
 
 def _in_words(value: Any) -> Any:

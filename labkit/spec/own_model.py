@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 # The settings that describe the user's own model (given to ``lab.train`` beside ``model``).
-OWN_SETTINGS = ("data", "loss", "fsdp_units", "tp_plan", "pp_split")
+OWN_SETTINGS = ("data", "loss", "fsdp_units", "tp_plan", "pp_split", "attention")
 
 
 @dataclass(frozen=True, eq=False)
@@ -39,6 +39,7 @@ class OwnModel:
     tokens_per_sample: int | None = None  # a language model's sequence length (inputs are 2-D integer ids)
     options: dict = field(default_factory=dict)  # fsdp_units / tp_plan / pp_split as given, in words
     travelled: tuple[tuple[str, str], ...] = ()  # (name, how) of what went with it from the notebook
+    attention: tuple[int, int] | None = None  # (layers, width) of a transformer's attention: counted in its FLOPs
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, OwnModel) and other.fingerprint == self.fingerprint
@@ -58,7 +59,15 @@ class OwnModel:
         return {"name": self.name, "shapes": self.shapes}
 
     def training_flops_per_sample(self) -> int:
-        """Six FLOPs per parameter per token (per sample, for data that is not tokens): forward 2, backward 4.
+        """Six FLOPs per parameter per token (per sample, for data that is not tokens): forward 2, backward 4;
+        with ``attention`` (layers L, width d) also attention's scores and mixing, 12 L d T per token of a
+        T-token sequence (the count of the PaLM paper's appendix B).
 
-        A parameter-only estimate: attention's own work and convolutions' reuse of weights are not counted."""
-        return 6 * self.parameters * (self.tokens_per_sample or 1)
+        Without it a parameter-only estimate: attention's own work and convolutions' reuse of weights are not
+        counted."""
+        tokens = self.tokens_per_sample or 1
+        flops = 6 * self.parameters * tokens
+        if self.attention is not None and self.tokens_per_sample:
+            layers, width = self.attention
+            flops += 12 * layers * width * tokens * tokens
+        return flops

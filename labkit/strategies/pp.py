@@ -160,8 +160,11 @@ def apply(composition: Composition, pp_mesh: DeviceMesh, config: TrainConfig) ->
 
     def build_runner(done: Composition) -> None:
         trainable = done.trainable
+        # What speaks for a traced stage rebuilds the network's own output (a Hugging Face ModelOutput).
+        rebuild = getattr(done.plan, "stage_output", lambda output: output)
         # The last stage has the targets only: the loss sees (None, targets) as its batch.
-        loss = (lambda output, targets: trainable.loss(output, (None, targets))) if trainable is not None else None
+        loss = (lambda output, targets: trainable.loss(rebuild(output), (None, targets))) \
+            if trainable is not None else None
         done.runner = PipelineRunner(done.model, pp_mesh, schedule, microbatches, loss, done.device)
 
     composition.after_all.append(build_runner)

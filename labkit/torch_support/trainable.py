@@ -26,7 +26,7 @@ import torch.nn as nn
 
 from labkit.torch_support import batches as batch_ops
 from labkit.torch_support.own_data import batch_share, batches_for
-from labkit.zoo.own_plan import ModulePlan
+from labkit.zoo.own_plan import ModulePlan, model_output
 
 if TYPE_CHECKING:
     from labkit.spec.train_config import TrainConfig
@@ -177,3 +177,8 @@ class OwnPlan:
             self.keep_stage = own_stage
         else:
             self.split_stage = split.split_stage
+
+    def stage_output(self, output: Any) -> Any:
+        """What the whole network returns, from the last pipeline stage's tensors (a traced stage passes only
+        tensors: a Hugging Face output arrives as its logits), for the loss."""
+        return model_output(self.module, output)

@@ -224,8 +224,9 @@ class TrainReport:
                 flops += f"; MFU unknown: no {math} peak known for this device (give peak_tflops=...)"
             else:
                 flops += f", MFU {self.mfu:.1%} of the {math} peak ({self.peak_tflops:g} TFLOP/s each)"
-            if config.own is not None:  # counted from the parameters alone (6 per parameter and token)
-                flops += " (a parameter-only estimate: attention and weight reuse in convolutions are not counted)"
+            if config.own is not None and config.own.attention is None:  # 6 per parameter and token, no more
+                flops += (" (a parameter-only estimate: attention and weight reuse in convolutions are not counted; "
+                          "attention=dict(layers=..., dim=...) counts a transformer's attention)")
             lines.append(flops)
         if config.max_memory:
             verdict = "within" if self.max_memory_bytes <= config.max_memory else "OVER"

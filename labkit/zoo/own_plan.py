@@ -176,9 +176,11 @@ def _trace(model: nn.Module, example: tuple, split: list[str]) -> tuple[Pipe, Tr
             pipe = pipeline(model, mb_args=example, split_spec={name: SplitPoint.BEGINNING for name in split})
     except Exception as error:
         cause = str(error.__cause__ or error).strip().splitlines()
+        # A Hugging Face model returns its key/value cache unless told not to: not a tensor the tracer knows.
+        hint = " (a Hugging Face model: build its config with use_cache=False)" if "Cache" in str(cause) else ""
         raise ValueError(f"pp traces the forward with torch.export to cut it, and the trace failed: "
-                         f"{cause[0][:400] if cause else type(error).__name__}. Make the forward traceable, or give "
-                         "the model a keep_stage(stage, stages) method") from error
+                         f"{cause[0][:400] if cause else type(error).__name__}. Make the forward traceable{hint}, "
+                         "or give the model a keep_stage(stage, stages) method") from error
     finally:
         hook.remove()
         for name in split:  # torch marks the split points by replacing their forward: put it back

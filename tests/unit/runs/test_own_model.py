@@ -49,6 +49,10 @@ def make_batch(step, generator):
     x = torch.randn(8, 4, generator=generator)
     return x, (x.sum(1) > 0).long()
 
+def tokens(step, generator):
+    ids = torch.randint(0, 10, (4, 16), generator=generator)
+    return ids, ids
+
 def summed(output, batch):
     return output.sum()
 
@@ -68,6 +72,8 @@ def notebook(monkeypatch):
     for key, value in namespace.items():
         if not key.startswith("__"):
             monkeypatch.setattr(main, key, value, raising=False)
+    # The notebook's names are IPython's user namespace when a shell runs (another test may have started one).
+    monkeypatch.setattr("labkit.runs.own_model._notebook_namespace", lambda: vars(main))
     yield namespace
     linecache.cache.pop(name, None)
 
@@ -140,3 +146,17 @@ def test_an_ensemble_of_an_own_model_is_refused_naming_lab_train(notebook):
 
     with pytest.raises(LabConfigError, match=r"lab.ensemble trains the catalog's models .*lab.train\(strategy, model="):
         run_ensemble(None, notebook["Net"])  # refused before the session is used
+
+
+def test_flops_count_attention_where_its_shape_is_known(notebook):
+    namespace = notebook
+    tokens = namespace["tokens"]
+    own, _ = pack_own(namespace["Net"], data=tokens)
+    assert own.tokens_per_sample == 16 and own.attention is None
+    assert own.training_flops_per_sample() == 6 * own.parameters * 16
+    shaped, _ = pack_own(namespace["Net"], data=tokens, attention=dict(layers=2, dim=10))
+    assert shaped.training_flops_per_sample() == 6 * own.parameters * 16 + 12 * 2 * 10 * 16 * 16
+    with pytest.raises(LabConfigError, match=r"attention=dict\(layers=12, dim=768\)"):
+        pack_own(namespace["Net"], data=tokens, attention=(2, 10))
+    with pytest.raises(LabConfigError, match="not token ids"):
+        pack_own(namespace["Net"], data=namespace["make_batch"], attention=dict(layers=2, dim=10))
