@@ -16,7 +16,7 @@ unpickle the data again.
 from __future__ import annotations
 
 from labkit.rank.context import RankContext
-from labkit.rank.push import build
+from labkit.rank.push import build_all
 from labkit.spec.train_config import TrainConfig
 from labkit.torch_support.trainable import OwnTrainable, Trainable, declared_trainable
 
@@ -43,8 +43,6 @@ def trainable_for(config: TrainConfig, context: RankContext) -> Trainable:
 def _build(items: tuple[dict, ...], namespace: dict | None) -> dict:
     """Build every item (in the order packed); the user's names go into ``namespace``, the parts are returned."""
     namespace = {} if namespace is None else namespace  # a torchrun process has no namespace of cells
-    staged: dict = {}
-    for item in items:
-        staged[item["name"]] = build(item, namespace, staged)
+    staged = build_all(items, namespace)
     namespace.update({name: value for name, value in staged.items() if name not in PARTS})
     return {name: staged.get(name) for name in PARTS}

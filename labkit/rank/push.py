@@ -26,11 +26,17 @@ _MISSING = object()
 
 def receive(items: list[dict], namespace: dict) -> list[str]:
     """Build every item, then put them all into ``namespace`` at once; the names put there."""
+    staged = build_all(items, namespace)
+    namespace.update(staged)
+    return list(staged)
+
+
+def build_all(items: list[dict] | tuple[dict, ...], namespace: dict) -> dict:
+    """Every item built, in the order packed, by name; ``namespace`` left as it was."""
     staged: dict = {}
     for item in items:
         staged[item["name"]] = build(item, namespace, staged)
-    namespace.update(staged)
-    return list(staged)
+    return staged
 
 
 def build(item: dict, namespace: dict, staged: dict):

@@ -27,7 +27,6 @@ from __future__ import annotations
 import dis
 import functools
 import hashlib
-import inspect
 import sys
 import types
 from dataclasses import dataclass
@@ -54,6 +53,7 @@ class Inspection:
     rows: int | None  # the rows a data function returns per step (its global batch)
     options: dict  # fsdp_units / tp_plan / pp_split as given
     note: str = ""  # what to tell the user once (the default loss)
+    samples: int | None = None  # a data set's length (None: a function makes the data)
 
 
 def split_settings(settings: dict) -> tuple[dict, Inspection | None]:
@@ -107,7 +107,8 @@ def pack_own(model: Any, data: Any = None, loss: Any = None, fsdp_units: Any = N
         travelled=tuple((item_name, how) for item_name, how in said if not item_name.startswith("labkit_")),
     )
     note = f"labkit: training {name} with the loss {DEFAULT_LOSS}; pass loss=... for another" if loss is None else ""
-    return own, Inspection(network, sample, rows, options, note)
+    samples = len(data) if rows is None and sample is not None else None  # a Dataset: its samples
+    return own, Inspection(network, sample, rows, options, note, samples)
 
 
 # -- what was given ---------------------------------------------------------------
@@ -203,9 +204,9 @@ def _sample(data: Any) -> tuple[Any, int | None, str]:
     import torch
 
     from labkit.torch_support.batches import check_batch
-    from labkit.torch_support.own_data import DatasetBatches, batches_for, describe_data
+    from labkit.torch_support.own_data import DatasetBatches, batches_for, describe_data, is_factory
 
-    if _parameters(data) == 0:
+    if is_factory(data):
         return None, None, f"made on each rank by {_called(data)}()"
     try:
         batches = batches_for(data, seed=0)
@@ -223,19 +224,6 @@ def _sample(data: Any) -> tuple[Any, int | None, str]:
     except (TypeError, ValueError) as error:
         raise LabConfigError(f"data=: {error}") from None
     return sample, rows, describe_data(data)
-
-
-def _parameters(function: Any) -> int | None:
-    """How many positional arguments ``function`` takes (None: not a function, e.g. a Dataset)."""
-    if not callable(function) or (not isinstance(function, type) and hasattr(function, "__getitem__")):
-        return None  # a Dataset
-    try:
-        signature = inspect.signature(function)
-    except (TypeError, ValueError):
-        return None
-    return sum(1 for parameter in signature.parameters.values()
-               if parameter.default is parameter.empty and parameter.kind in (parameter.POSITIONAL_ONLY,
-                                                                              parameter.POSITIONAL_OR_KEYWORD))
 
 
 # -- the names the user's code reads from the notebook ------------------------------------------------
@@ -389,6 +377,10 @@ def check_run(inspection: Inspection, config: TrainConfig) -> None:
                 raise ValueError(f"verify=True cannot hold for {network.__class__.__name__}: {refusal}")
     except ValueError as error:
         raise LabConfigError(str(error)) from None
+    if inspection.samples is not None and config.global_batch > inspection.samples:
+        # Each step would read the data set more than once, and make every rank collate its share of it.
+        raise LabConfigError(f"global_batch={config.global_batch} is more samples than your data set has "
+                             f"({inspection.samples:,}): pass a global_batch of at most {inspection.samples:,}")
     if inspection.rows is not None and inspection.rows != config.global_batch:
         raise LabConfigError(f"your data function returns {inspection.rows} rows per step, and the run's global "
                              f"batch is {config.global_batch}: pass global_batch={inspection.rows}, or make the "

@@ -217,6 +217,14 @@ def _batches_for(data: Any, seed: int, shuffle: bool, factory_allowed: bool) -> 
     raise TypeError(f"your data is {_a(type(data).__name__)}: give {_ACCEPTED}, {_EXAMPLE}")
 
 
+def is_factory(data: Any) -> bool:
+    """Whether ``data`` is a function of no arguments that makes the data (called on the ranks, not here)."""
+    if _is_dataset(data) or _is_stream(data) or not callable(data):
+        return False
+    counts = _positional_counts(data)
+    return counts is not None and counts[0] == 0
+
+
 def describe_data(data: Any) -> str:
     """One short phrase for messages: "TensorDataset of 1,797 samples", "function make_batch(step, generator)"."""
     if inspect.isclass(data):

@@ -160,3 +160,14 @@ def test_flops_count_attention_where_its_shape_is_known(notebook):
         pack_own(namespace["Net"], data=tokens, attention=(2, 10))
     with pytest.raises(LabConfigError, match="not token ids"):
         pack_own(namespace["Net"], data=namespace["make_batch"], attention=dict(layers=2, dim=10))
+
+
+def test_a_global_batch_larger_than_the_data_set_is_refused(notebook):
+    from torch.utils.data import TensorDataset
+
+    data = TensorDataset(torch.randn(40, 4), torch.zeros(40, dtype=torch.long))
+    settings, inspection = split_settings(dict(model=notebook["Net"], data=data, global_batch=10**9))
+    with pytest.raises(LabConfigError, match=r"global_batch=1000000000 is more samples than your data set has \(40\)"):
+        check_run(inspection, resolve(4, **settings))
+    settings, inspection = split_settings(dict(model=notebook["Net"], data=data))
+    check_run(inspection, resolve(4, **settings))  # the default batch, 32, fits
