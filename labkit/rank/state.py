@@ -20,6 +20,7 @@ says so instead of continuing from half-updated weights.
 
 from __future__ import annotations
 
+import functools
 import random
 from dataclasses import dataclass, field
 
@@ -28,8 +29,9 @@ import torch
 
 from labkit.rank.own_model import trainable_for
 from labkit.spec.train_config import TrainConfig, resume_differences
+from labkit.strategies.catalog import strategy
 from labkit.strategies.compose import ParallelModel, parallelize
-from labkit.torch_support.trainable import Trainable
+from labkit.torch_support.trainable import Trainable, initial_network
 
 
 def random_state() -> dict:
@@ -97,8 +99,15 @@ def build_state(config: TrainConfig, runtime, make_optimizer) -> TrainState:
     device = runtime.device
     mesh = runtime.mesh_for(config.mesh_shape, config.mesh_names, instrumented=config.instruments)
     trainable = trainable_for(config, runtime)
-    network = trainable.build(config.seed, device)
-    parallel = parallelize(network, mesh, config, trainable, device, runtime.backend, runtime.rank)
+    whole = None
+    if any(strategy(part).shards_memory for part in config.parts) and trainable.builds_on_meta(config.parts):
+        # No rank holds the whole network: each builds it on the meta device, the strategy splits it there,
+        # and the pieces take their values from one whole build on rank 0's CPU (torch_support.meta_init).
+        network = trainable.build(config.seed, "meta")
+        whole = functools.partial(initial_network, trainable, config.seed, "cpu")
+    else:
+        network = initial_network(trainable, config.seed, device)
+    parallel = parallelize(network, mesh, config, trainable, device, runtime.backend, runtime.rank, whole=whole)
     optimizer = make_optimizer(parallel.module.parameters(), config, device)
     return TrainState(config, parallel, optimizer, mesh, runtime.formation, trainable)
 

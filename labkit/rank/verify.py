@@ -41,7 +41,7 @@ from labkit.torch_support.optimizers import make_optimizer
 from labkit.torch_support.torch_internals import DTENSOR_REDISTRIBUTE_LOGGER
 from labkit.wire.schema import Verdict, equivalence_bound
 from labkit.torch_support.batches import chunk_rows, to_device
-from labkit.torch_support.trainable import Trainable, declared_trainable
+from labkit.torch_support.trainable import Trainable, declared_trainable, initial_network
 
 # (config, device, steps, chunks) -> (initial, final) parameters of a single-process reference.
 Reference = Callable[..., tuple[Parameters, Parameters]]
@@ -58,7 +58,7 @@ def reference_parameters(config: TrainConfig, device: str | torch.device, steps:
     """
     device = torch.device(device)
     trainable = trainable or declared_trainable(config)
-    network = trainable.build(config.seed, device)
+    network = initial_network(trainable, config.seed, device)
     initial = {name: p.detach().clone() for name, p in network.named_parameters()}
     optimizer = make_optimizer(network.parameters(), config, device)
     for step in range(steps):

@@ -105,6 +105,7 @@ def pack_own(model: Any, data: Any = None, loss: Any = None, fsdp_units: Any = N
         tokens_per_sample=tokens, attention=_attention(attention, network, tokens),
         options={key: _in_words(value) for key, value in options.items() if value is not None},
         travelled=tuple((item_name, how) for item_name, how in said if not item_name.startswith("labkit_")),
+        meta_build=any(parameter.is_meta for parameter in network.parameters()),
     )
     note = f"labkit: training {name} with the loss {DEFAULT_LOSS}; pass loss=... for another" if loss is None else ""
     samples = len(data) if rows is None and sample is not None else None  # a Dataset: its samples

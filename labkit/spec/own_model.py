@@ -40,6 +40,7 @@ class OwnModel:
     options: dict = field(default_factory=dict)  # fsdp_units / tp_plan / pp_split as given, in words
     travelled: tuple[tuple[str, str], ...] = ()  # (name, how) of what went with it from the notebook
     attention: tuple[int, int] | None = None  # (layers, width) of a transformer's attention: counted in its FLOPs
+    meta_build: bool = True  # it builds on the meta device, so a sharding strategy splits it there first
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, OwnModel) and other.fingerprint == self.fingerprint

@@ -152,8 +152,11 @@ class Composition:
     """
 
     def __init__(self, model: nn.Module, config: TrainConfig, trainable: Trainable | None, device: torch.device,
-                 backend: str, estimate_only: bool = False) -> None:
+                 backend: str, estimate_only: bool = False, whole: Callable[[], nn.Module] | None = None) -> None:
         self.model = model
+        # The model is on the meta device, split there by the parts that shard it; ``whole`` builds it
+        # whole on rank 0's CPU, to give the pieces their values before a part needs them (``materialize``).
+        self.whole = whole
         self.config = config
         self.parts = config.parts
         self.trainable = trainable  # what is trained: how it is called, its loss, what speaks for it
@@ -193,6 +196,19 @@ class Composition:
     def uses(self, part: str) -> bool:
         return part in self.parts
 
+    def materialize(self) -> None:
+        """Give a model split on the meta device memory and its starting values (``torch_support.meta_init``):
+        once, after the parts that shard it, before any part that needs its values."""
+        if self.whole is None:
+            return
+        import torch.distributed as dist
+
+        from labkit.torch_support.meta_init import fill_from_rank0
+
+        whole, self.whole = self.whole, None
+        transfer = torch.device("cpu") if "gloo" in self.backend or self.device.type == "cpu" else self.device
+        fill_from_rank0(self.model, whole() if dist.get_rank() == 0 else None, self.device, transfer)
+
     def plan_for(self, model: nn.Module) -> object:
         """What speaks for ``model`` to the parts: the trainable's word for it (a part that replaces the model,
         as a pipeline's stage, asks again)."""
@@ -220,7 +236,10 @@ def _compose(composition: Composition, mesh: DeviceMesh) -> Composition:
     _data_axes(composition, mesh)
     for part in sorted(composition.parts, key=lambda name: strategy(name).order):
         entry = strategy(part)
+        if not entry.shards_memory:
+            composition.materialize()
         rank_module(entry).apply(composition, mesh[entry.axis], composition.config)
+    composition.materialize()
     if not composition.estimate_only:
         for finish in composition.after_all:
             finish(composition)
@@ -228,9 +247,12 @@ def _compose(composition: Composition, mesh: DeviceMesh) -> Composition:
 
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, config: TrainConfig, trainable: Trainable, device: torch.device,
-                backend: str, rank: int = 0) -> ParallelModel:
-    """``model`` (built by ``trainable``) split over ``mesh`` by every part of ``config``'s strategy."""
-    composition = _compose(Composition(model, config, trainable, device, backend), mesh)
+                backend: str, rank: int = 0, whole: Callable[[], nn.Module] | None = None) -> ParallelModel:
+    """``model`` (built by ``trainable``) split over ``mesh`` by every part of ``config``'s strategy.
+
+    ``whole``: the model was built on the meta device; this builds it whole on rank 0's CPU, whose values the
+    split pieces take once the parts that shard it have applied."""
+    composition = _compose(Composition(model, config, trainable, device, backend, whole=whole), mesh)
     autocast = contextlib.nullcontext if composition.own_precision else autocast_for(config.precision, device)
     return ParallelModel(composition, autocast=autocast, role=role_of(config.parts, config, rank))
 

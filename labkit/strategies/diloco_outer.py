@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 
 from labkit.torch_support.batches import chunk_rows, to_device
 from labkit.torch_support.optimizers import make_optimizer
-from labkit.torch_support.trainable import Trainable, declared_trainable
+from labkit.torch_support.trainable import Trainable, declared_trainable, initial_network
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -180,7 +180,7 @@ def simulate(config: TrainConfig, device: str | torch.device, steps: int, inner_
     index, parts = data_share if data_share is not None else (0, 1)
     mine = index * replicas // parts  # the data axes nest dp inside replica
     trainable = trainable or declared_trainable(config)
-    models = [trainable.build(config.seed, device) for _ in range(replicas)]
+    models = [initial_network(trainable, config.seed, device) for _ in range(replicas)]
     initial = {name: p.detach().clone() for name, p in models[0].named_parameters()}
     optimizers = [make_optimizer(network.parameters(), config, device) for network in models]
     global_copy = [p.detach().clone() for p in models[0].parameters()]

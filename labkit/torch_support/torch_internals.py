@@ -70,6 +70,7 @@ def missing_internals() -> list[str]:
         "cuda._sleep": lambda: torch.cuda._sleep,
         "autograd.Variable._execution_engine.queue_callback":
             lambda: torch.autograd.Variable._execution_engine.queue_callback,
+        "distributed.tensor._utils.compute_local_shape_and_global_offset": _local_shape_and_offset,
     }
     missing = []
     for name, look_up in checks.items():
@@ -391,3 +392,18 @@ def spin_gpu(cycles: int) -> None:
 def at_end_of_backward(callback) -> None:
     """Run ``callback`` when the current backward pass finishes (called from inside backward)."""
     torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+# -- DTensor ----------------------------------------------------------------------------
+
+
+def _local_shape_and_offset():
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    return compute_local_shape_and_global_offset
+
+
+def local_slices(shape: torch.Size, tensor) -> tuple[slice, ...]:
+    """Where DTensor ``tensor``'s local shard lies in a whole tensor of ``shape`` (what this rank keeps of it)."""
+    sizes, offsets = _local_shape_and_offset()(shape, tensor.device_mesh, tensor.placements)
+    return tuple(slice(offset, offset + size) for size, offset in zip(sizes, offsets))

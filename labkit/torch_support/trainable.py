@@ -62,6 +62,10 @@ class Trainable(Protocol):
     def tokens_per_sample(self) -> int | None:
         """Tokens in one sample, for a language model (None: its samples are not counted in tokens)."""
 
+    def builds_on_meta(self, parts: tuple[str, ...]) -> bool:
+        """Whether the ranks may build the network on the meta device and split it there under the strategy
+        ``parts`` (``torch_support.meta_init``): it can be built there, and no part needs its values to split it."""
+
 
 def seeded_build(make: Callable[[], nn.Module], seed: int, device: str | torch.device) -> nn.Module:
     """``make()`` with torch's generator seeded by ``seed`` (and put back after), on ``device``."""
@@ -69,6 +73,16 @@ def seeded_build(make: Callable[[], nn.Module], seed: int, device: str | torch.d
         torch.manual_seed(seed)
         with torch.device(device):
             return make()
+
+
+def initial_network(trainable: Trainable, seed: int, device: str | torch.device) -> nn.Module:
+    """The network a run starts from, on ``device``: built on the CPU and moved, so a run on a GPU, a split
+    given its values by rank 0 (``meta_init``) and the single-process reference all start from the same
+    weights."""
+    device = torch.device(device)
+    if device.type in ("cpu", "meta"):
+        return trainable.build(seed, device)
+    return trainable.build(seed, "cpu").to(device)
 
 
 class DeclaredTrainable:
@@ -101,6 +115,9 @@ class DeclaredTrainable:
         count = self.declaration.tokens_per_sample
         return count(self.settings) if count is not None else None
 
+    def builds_on_meta(self, parts: tuple[str, ...]) -> bool:
+        return True  # the catalog's networks build anywhere and cut their own pipeline stages
+
 
 def declared_trainable(config: TrainConfig) -> DeclaredTrainable:
     """The trainable of a run of a catalog model (a user's own is built on the rank: ``rank.own_model``)."""
@@ -115,8 +132,9 @@ class OwnTrainable:
     """A user's model, data and loss, as each rank built them from what the notebook packed."""
 
     def __init__(self, name: str, factory: Callable[[], nn.Module], data: Any, loss: Loss | None, seed: int,
-                 options: dict, tokens: int | None = None) -> None:
+                 options: dict, tokens: int | None = None, meta: bool = True) -> None:
         self.name = name
+        self.meta = meta  # the notebook built it on the meta device
         self.factory, self.seed, self.options = factory, seed, options
         self._data = batches_for(data, seed)
         self._loss = loss if loss is not None else batch_ops.default_loss
@@ -157,6 +175,15 @@ class OwnTrainable:
 
     def tokens_per_sample(self) -> int | None:
         return self._tokens
+
+    def builds_on_meta(self, parts: tuple[str, ...]) -> bool:
+        if not self.meta:
+            return False
+        if "pp" not in parts:
+            return True
+        # A pipeline cut by tracing runs the network on a real example: only a model's own keep_stage cuts on meta.
+        own_stage = getattr(seeded_build(self.factory, self.seed, "meta"), "keep_stage", None)
+        return callable(own_stage) and not self.options.get("pp_split")
 
 
 class OwnPlan:
