@@ -127,20 +127,21 @@ class PipelineRunner:
         if keywords:
             raise TypeError("a pipeline passes one stage's outputs to the next as tensors: give batches as "
                             "(inputs, targets) tuples, not dicts")
-        inputs, targets = args[0], targets_of(batch) if self.is_last else None
+        targets = targets_of(batch) if self.is_last else None
         losses: list[torch.Tensor] = []
         batched = getattr(self.group, "p2p_batched", None)  # a lab group; torch's own coalesces by itself
         with batched(self.device) if batched is not None else contextlib.nullcontext():
-            self._run_schedule(inputs, targets, losses)
+            self._run_schedule(tuple(args), targets, losses)
         if not losses:
             return None
         return torch.stack([loss.detach().float() for loss in losses]).mean()
 
-    def _run_schedule(self, inputs: torch.Tensor, targets: torch.Tensor | None, losses: list[torch.Tensor]) -> None:
+    def _run_schedule(self, inputs: tuple, targets: torch.Tensor | None, losses: list[torch.Tensor]) -> None:
+        """``inputs``: the first stage's positional arguments (a model of several inputs takes them all)."""
         if self.is_first and self.is_last:
-            self.schedule.step(inputs, target=targets, losses=losses)
+            self.schedule.step(*inputs, target=targets, losses=losses)
         elif self.is_first:
-            self.schedule.step(inputs)
+            self.schedule.step(*inputs)
         elif self.is_last:
             self.schedule.step(target=targets, losses=losses)
         else:

@@ -139,8 +139,10 @@ def to_device(batch: Batch, mover: Callable[[tuple[torch.Tensor, ...]], Sequence
 
 
 def model_call(batch: Batch) -> tuple[tuple, dict]:
-    """The positional and keyword arguments the model is called with: a tensor is the input itself; a tuple or
-    list gives its first element (the rest are targets or extras, for the loss); a dict is passed as keywords."""
+    """The positional and keyword arguments the model is called with: a tensor is the input itself; a dict is
+    passed as keywords; a tuple or list gives its first element, the inputs (the rest are targets or extras,
+    for the loss), and inputs that are themselves a tuple or a dict are spread: ``((a, b), y)`` calls
+    ``model(a, b)``, ``({"ids": i, "mask": m}, y)`` calls ``model(ids=i, mask=m)``."""
     if isinstance(batch, torch.Tensor):
         return (batch,), {}
     if isinstance(batch, Mapping):
@@ -148,7 +150,12 @@ def model_call(batch: Batch) -> tuple[tuple, dict]:
     if isinstance(batch, (tuple, list)):
         if not batch:
             raise ValueError("an empty tuple is not a batch: give (inputs, targets), e.g. (images, labels)")
-        return (batch[0],), {}
+        inputs = batch[0]
+        if isinstance(inputs, Mapping):
+            return (), dict(inputs)
+        if isinstance(inputs, (tuple, list)) and not _is_namedtuple(inputs):
+            return tuple(inputs), {}
+        return (inputs,), {}
     raise TypeError(f"a batch of type {type(batch).__name__} cannot be given to a model: give a tensor, "
                     f"(inputs, targets) or a dict of keyword arguments, e.g. {{'input_ids': ids, 'labels': ids}}")
 

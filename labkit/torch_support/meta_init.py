@@ -47,7 +47,9 @@ def fill_from_rank0(network: nn.Module, whole: nn.Module | None, device: torch.d
 
     ``transfer``: where the group carries tensors (the CPU for gloo, this rank's GPU for nccl). Every rank
     of the group takes part, whatever it holds."""
+    ties = _tied(network)
     network.to_empty(device=device)
+    _tie_again(network, ties)
     source = _every_tensor(whole) if whole is not None else {}
     listed: list[object] = [[(name, tuple(value.shape), value.dtype) for name, value in source.items()]]
     dist.broadcast_object_list(listed, src=0, group=group)  # rank 0's list replaces the others'
@@ -62,6 +64,26 @@ def fill_from_rank0(network: nn.Module, whole: nn.Module | None, device: torch.d
             for (name, shape, dtype), value in zip(packet, _unpack(flat, packet)):
                 if name in mine:
                     _keep_mine(mine[name], value)
+
+
+def _tied(network: nn.Module) -> list[list[str]]:
+    """The names of each parameter that several modules share (an embedding tied to the output layer)."""
+    names: dict[int, list[str]] = {}
+    for name, parameter in network.named_parameters(remove_duplicate=False):
+        names.setdefault(id(parameter), []).append(name)
+    return [group for group in names.values() if len(group) > 1]
+
+
+def _tie_again(network: nn.Module, ties: list[list[str]]) -> None:
+    """Share each tied parameter again: ``to_empty`` gives every module holding a meta parameter a new one of
+    its own, which would train the tied copies apart."""
+    for first, *others in ties:
+        kept = network.get_parameter(first)
+        for name in others:
+            owner, _, attribute = name.rpartition(".")
+            module = network.get_submodule(owner)
+            if getattr(module, attribute) is not kept:
+                setattr(module, attribute, kept)
 
 
 def _tensors(network: nn.Module) -> Iterator[torch.Tensor]:

@@ -1,19 +1,16 @@
 """Every use labkit makes of torch's private API, in one place.
 
-Runs in the engines. The lab does things torch offers no public call for: it puts
-a timed stand-in in a process group's place (under the same name, in torch's
-registry of groups), changes the time limit of every group at each cell, swaps the
-default group while a slow link is simulated, aborts the groups of a failing nccl
-rank, clears what DTensor and the mesh stack cached about groups that a rebuild
-destroyed, and queues a callback at the end of backward. Each of these reaches
-into ``torch.distributed.distributed_c10d``, ``torch._C`` or underscored methods,
-which change between torch releases without notice.
+Runs in the engines. The lab does things torch offers no public call for: it puts a timed stand-in in a process
+group's place (under the same name, in torch's registry of groups), changes the time limit of every group at each
+cell, swaps the default group while a slow link is simulated, aborts the groups of a failing nccl rank, clears what
+DTensor and the mesh stack cached about groups that a rebuild destroyed, queues a callback at the end of backward,
+and finds where a DTensor's shard lies in the whole tensor. Each of these reaches into
+``torch.distributed.distributed_c10d``, ``torch._C`` or underscored names, which change between torch releases
+without notice.
 
-So they live here and nowhere else: a new torch is checked against this file
-(``missing_internals`` lists what it lacks; a test asserts it lacks nothing), and
-``labkit.spec.torch_version`` names this file when the installed torch is not a
-tested one. Code elsewhere calls the functions below and never an underscored
-name of torch's.
+So they live here and nowhere else: a new torch is checked against this file (``missing_internals`` lists what it
+lacks; a test asserts it lacks nothing), and ``labkit.spec.torch_version`` names this file when the installed torch
+is not a tested one. Code elsewhere calls the functions below and never an underscored name of torch's.
 """
 
 from __future__ import annotations
@@ -22,6 +19,7 @@ import contextlib
 import sys
 from collections.abc import Callable
 from datetime import timedelta
+from importlib import import_module
 from typing import TYPE_CHECKING, cast
 
 import torch
@@ -31,7 +29,6 @@ from torch.distributed import distributed_c10d as c10d
 
 if TYPE_CHECKING:  # a NewType of str in torch's stubs, not a name every torch has at run time
     from torch.distributed.distributed_c10d import GroupName
-
 # torch's logger for DTensor's redistribution, which warns at every uneven shard of the zoo's models.
 DTENSOR_REDISTRIBUTE_LOGGER = "torch.distributed.tensor._redistribute"
 
@@ -70,7 +67,8 @@ def missing_internals() -> list[str]:
         "cuda._sleep": lambda: torch.cuda._sleep,
         "autograd.Variable._execution_engine.queue_callback":
             lambda: torch.autograd.Variable._execution_engine.queue_callback,
-        "distributed.tensor._utils.compute_local_shape_and_global_offset": _local_shape_and_offset,
+        "distributed.tensor._utils.compute_local_shape_and_global_offset":
+            lambda: import_module("torch.distributed.tensor._utils").compute_local_shape_and_global_offset,
     }
     missing = []
     for name, look_up in checks.items():
@@ -351,6 +349,13 @@ def put_in_mesh(mesh, name: str, group) -> None:
         registry[name] = group
 
 
+def local_slices(shape: torch.Size, tensor) -> tuple[slice, ...]:
+    """Where DTensor ``tensor``'s local shard lies in a whole tensor of ``shape`` (what this rank keeps of it)."""
+    local = import_module("torch.distributed.tensor._utils").compute_local_shape_and_global_offset
+    sizes, offsets = local(shape, tensor.device_mesh, tensor.placements)
+    return tuple(slice(offset, offset + size) for size, offset in zip(sizes, offsets))
+
+
 def forget_dtensor_plans() -> None:
     """Drop DTensor's cached sharding plans (in C++ and in Python) and torch's stack of current meshes.
 
@@ -393,17 +398,3 @@ def at_end_of_backward(callback) -> None:
     """Run ``callback`` when the current backward pass finishes (called from inside backward)."""
     torch.autograd.Variable._execution_engine.queue_callback(callback)
 
-
-# -- DTensor ----------------------------------------------------------------------------
-
-
-def _local_shape_and_offset():
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    return compute_local_shape_and_global_offset
-
-
-def local_slices(shape: torch.Size, tensor) -> tuple[slice, ...]:
-    """Where DTensor ``tensor``'s local shard lies in a whole tensor of ``shape`` (what this rank keeps of it)."""
-    sizes, offsets = _local_shape_and_offset()(shape, tensor.device_mesh, tensor.placements)
-    return tuple(slice(offset, offset + size) for size, offset in zip(sizes, offsets))

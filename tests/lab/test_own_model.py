@@ -352,6 +352,73 @@ def test_a_sharded_model_is_never_whole_on_a_rank_but_rank_0(shell, lab):
         assert all(gain == torch.linspace(0.5, 1.5, 2048).tolist() for gain in gains)
 
 
+SHAPES = '''
+class TwoInputs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 8), nn.Linear(3, 8)
+        self.blocks = nn.ModuleList([nn.Linear(8, 8) for _ in range(2)])
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, a, b):
+        h = torch.tanh(self.a(a) + self.b(b))
+        for block in self.blocks:
+            h = torch.tanh(block(h))
+        return self.head(h)
+
+def pairs(step, generator):
+    a, b = torch.randn(16, 4, generator=generator), torch.randn(16, 3, generator=generator)
+    return (a, b), (a.sum(1) > b.sum(1)).long()
+
+class TiedLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(20, 16)
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16)) for _ in range(2)])
+        self.head = nn.Linear(16, 20, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        for block in self.blocks:
+            h = h + block(h)
+        return self.head(h)
+
+def token_windows(step, generator):
+    ids = torch.randint(0, 20, (16, 9), generator=generator)
+    return ids[:, :-1], ids[:, 1:]
+
+class Recurrent(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.rnn = nn.GRU(6, 16, batch_first=True)
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x):
+        return self.head(self.rnn(x)[0][:, -1])
+
+def sequences(step, generator):
+    x = torch.randn(16, 5, 6, generator=generator)
+    return x, (x.sum((1, 2)) > 0).long() + (x[:, 0, 0] > 0).long()
+'''
+
+
+def test_models_of_other_shapes_two_inputs_tied_weights_a_recurrent_layer(shell, lab):
+    """((a, b), y) batches call model(a, b), through a pipeline too; weights tied between the embedding and
+    the output layer stay one parameter when a split model is built on meta; a GRU shards under FSDP."""
+    notebook = define(shell, SHAPES)
+    verified(lab.train("fsdp", model=notebook["TwoInputs"], data=notebook["pairs"], steps=3, lr=1e-2, verify=True))
+    verified(lab.train("ddp+pp", mesh=dict(dp=2, pp=2), model=notebook["TwoInputs"], data=notebook["pairs"],
+                       steps=3, lr=1e-2, pp_split=["blocks.1"], verify=True))
+    plan = {"blocks.*.0": "colwise", "blocks.*.2": "rowwise"}
+    verified(lab.train("tp", model=notebook["TiedLM"], data=notebook["token_windows"], steps=3, lr=1e-2,
+                       tp_plan=plan, verify=True))
+    model = lambda: this_rank().train_state.model  # noqa: E731 - on each rank
+    assert all(lab.run(lambda: model().head.weight is model().embed.weight))
+    verified(lab.train("fsdp", model=notebook["Recurrent"], data=notebook["sequences"], steps=3, lr=1e-2,
+                       verify=True))
+
+
 def test_a_checkpoint_loads_on_another_number_of_ranks(shell, lab, tmp_path):
     from tests.conftest import started_lab
 

@@ -141,6 +141,22 @@ def test_model_call_and_call_model():
         float(inputs.sum() + targets.sum()))
 
 
+def test_inputs_that_are_a_tuple_or_a_dict_are_spread_over_the_models_arguments():
+    first, second, targets = torch.randn(4, 3), torch.randn(4, 3), torch.tensor([0, 1, 0, 1])
+
+    class TwoInputs(nn.Module):
+        def forward(self, a, b):
+            return a - b
+
+    assert torch.equal(call_model(TwoInputs(), ((first, second), targets)), first - second)
+    assert torch.equal(call_model(TwoInputs(), ([first, second], targets)), first - second)
+    assert torch.equal(call_model(TwoInputs(), ({"b": second, "a": first}, targets)), first - second)
+    assert targets_of(((first, second), targets)) is targets
+    Pair = collections.namedtuple("Pair", "x y")  # a named tuple is one input, as the model defines it
+    args, _ = model_call((Pair(first, second), targets))
+    assert len(args) == 1 and args[0].x is first
+
+
 def test_targets_of():
     inputs, targets = torch.randn(4, 3), torch.arange(4)
     assert targets_of((inputs, targets)) is targets

@@ -71,6 +71,20 @@ def test_a_network_split_on_meta_takes_every_value_of_rank_0s_whole_build(one_pr
     assert torch.equal(network.mask, whole.mask)  # a buffer the state dict does not carry
 
 
+class Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(5, 4)
+        self.head = nn.Linear(4, 5, bias=False)
+        self.head.weight = self.embed.weight
+
+
+def test_tied_parameters_stay_one_parameter(one_process_group):
+    network = seeded_build(Tied, 3, "meta")
+    fill_from_rank0(network, seeded_build(Tied, 3, "cpu"), torch.device("cpu"), torch.device("cpu"))
+    assert network.head.weight is network.embed.weight and len(list(network.parameters())) == 1
+
+
 def test_a_tensor_the_whole_build_lacks_is_refused_not_left_empty(one_process_group):
     network = seeded_build(Stack, 3, "meta")
     network.register_buffer("extra", torch.zeros(2, device="meta"), persistent=False)
