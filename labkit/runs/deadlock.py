@@ -21,9 +21,11 @@ a sample that lags behind cannot raise a false alarm:
 3. all blocked: every running rank waits in a collective, and in none of them have
    all members arrived; held over two reads at least ``BLOCKED_SECONDS`` apart;
 4. stranded: a rank waits in collective k of G that every other member completed (they
-   called another collective, or another size, there); held ``STRANDED_SECONDS``.
+   called another collective, or another size, there); held ``STRANDED_SECONDS``;
+5. left waiting: a rank waits in a send or receive on G, and a member of G stopped with an
+   error (a pipeline stage whose loss raised): nothing will answer it.
 
-Rules 1 and 2 hold at once; ``DeadlockWatch`` holds 3 and 4 until they last.
+Rules 1, 2 and 5 hold at once; ``DeadlockWatch`` holds 3 and 4 until they last.
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ class InFlight:
 class Deadlock:
     """What deadlocked, in words, and who is in it."""
 
-    rule: str  # never joined | mismatch | all blocked | stranded
+    rule: str  # never joined | mismatch | all blocked | stranded | left waiting
     headline: str
     lines: list[str]
     groups: set[str] = field(default_factory=set)  # the groups whose collectives cannot complete
@@ -254,10 +256,41 @@ def _completed(member: int, item: InFlight, number: int, states: dict, finished:
     return all(other.at_least > number for other in in_flight(member, groups) if other.group == item.group)
 
 
+def transfers_waited(rank: int, groups: dict | None) -> list[tuple[str, tuple[int, ...], str]]:
+    """(group, members, kind) of each send or receive ``rank``'s thread waits in."""
+    found = []
+    for name, group in (groups or {}).items():
+        waiting = group.get("waiting")
+        for sequence, kind, _, _ in group.get("in_flight") or []:
+            if sequence == waiting and kind in POINT_TO_POINT:
+                found.append((name, tuple(group["ranks"]), kind))
+    return found
+
+
+def left_waiting(states: dict, finished: dict) -> Deadlock | None:
+    """Rule 5: a rank waits in a send or receive on a group a member of which stopped with an error (a
+    pipeline stage whose loss raised): what it waits for will never come, and sends and receives are not
+    counted, so rule 1 cannot see it."""
+    failed = {rank for rank, report in finished.items() if not report.get("ok")}
+    waits = [(rank, name, members, kind) for rank, state in sorted(states.items())
+             for name, members, kind in transfers_waited(rank, state.get("groups")) if failed & set(members)]
+    if not failed or not waits:
+        return None
+    world = _world(states)
+    stopped = sorted(failed & {member for _, _, members, _ in waits for member in members})
+    headline = (f"{format_ranks(stopped)} stopped with an error, and {format_ranks(sorted({w[0] for w in waits}))} "
+                f"wait{'s' if len(waits) == 1 else ''} in a send or receive it will never answer")
+    lines = [f"rank {rank} waits in {kind} on {describe_group(name, members, world)} "
+             f"{describe_line(states[rank].get('where'))}" for rank, name, members, kind in waits]
+    return Deadlock("left waiting", headline, lines, {name for _, name, _, _ in waits},
+                    frozenset((rank, name) for rank, name, _, _ in waits))
+
+
 def find_deadlock(states: dict, finished: dict, absent: dict | None = None, work_ranks=(), now: float = 0.0):
-    """The deadlock rules 1 and 2 name at once, or None."""
+    """The deadlock rules 1, 2 and 5 name at once, or None."""
     absent = absent or {}
-    return never_joined(states, finished, absent, work_ranks, now) or mismatched(states, finished, now)
+    return (never_joined(states, finished, absent, work_ranks, now) or mismatched(states, finished, now)
+            or left_waiting(states, finished))
 
 
 class DeadlockWatch:

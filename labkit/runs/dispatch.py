@@ -40,7 +40,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from labkit.cluster.rank_whereabouts import WhereaboutsReader
-from labkit.runs.deadlock import DeadlockWatch, in_flight, waiting_note
+from labkit.runs.deadlock import DeadlockWatch, in_flight, transfers_waited, waiting_note
 from labkit.spec.errors import LabError
 from labkit.views.rank_output import LiveOutput, RankTexts
 from labkit.wire import entry as rank_entry
@@ -251,8 +251,8 @@ class RankWork:
                 self.cluster.call(idle, rank_entry.release_collectives, (), RELEASE_CALL_SECONDS)
             except LabError:  # it went meanwhile: its connections closed with it
                 pass
-        blocked = sorted(rank for rank, state in states.items()
-                         if rank not in self._release_asked and in_flight(rank, state.get("groups")))
+        blocked = sorted(rank for rank, state in states.items() if rank not in self._release_asked and (
+            in_flight(rank, state.get("groups")) or transfers_waited(rank, state.get("groups"))))
         if blocked and self._reader is not None:
             self._release_asked.update(blocked)
             self._reader.request_release(blocked)

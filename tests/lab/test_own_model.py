@@ -419,6 +419,19 @@ def test_models_of_other_shapes_two_inputs_tied_weights_a_recurrent_layer(shell,
                        verify=True))
 
 
+def test_a_loss_that_raises_on_a_pipelines_last_stage_lets_the_other_stages_go(shell, lab):
+    """The other stages wait in receives for what the failed stage will never send: the lab names the failure
+    and releases them at once instead of at the cell's limit, and the next run trains."""
+    from labkit.spec.errors import RankFailure
+
+    notebook = define(shell, "def broken_loss(output, batch):\n    raise ValueError('my loss is broken')\n")
+    own = dict(model=notebook["Tower"], data=notebook["regression"], pp_split=["blocks.1", "blocks.2", "blocks.3"])
+    with pytest.raises(RankFailure, match=r"rank 3 raised ValueError: my loss is broken; ranks 0, 1, 2 failed in a "
+                                          r"collective as a consequence of rank 3"):
+        lab.train("pp", steps=2, loss=notebook["broken_loss"], **own)
+    verified(lab.train("pp", steps=2, loss=notebook["mse"], verify=True, **own))
+
+
 def test_a_checkpoint_loads_on_another_number_of_ranks(shell, lab, tmp_path):
     from tests.conftest import started_lab
 

@@ -68,6 +68,20 @@ def test_a_failed_rank_and_a_ddp_backward_with_its_bucket_in_flight():
     assert found.lines[1] == "rank 1 stopped with NameError having issued 4 collectives on the world group (ranks 0, 1)"
 
 
+def test_a_receive_from_a_stage_that_stopped_with_an_error_is_left_waiting():
+    # A pipeline: rank 1's loss raised; rank 0 waits for the gradient rank 1 would have sent back.
+    receiving = {"1": group((0, 1), 2, [(7, "recv", 64, SAMPLED - 2)], waiting=7, issued=7)}
+    stage = state(receiving, text="self.schedule.step(*inputs)")
+    found = find_deadlock({0: stage}, {1: finished({"1": group((0, 1), 2, issued=6)}, ok=False)}, work_ranks=[0, 1],
+                          now=NOW)
+    assert found.rule == "left waiting" and found.groups == {"1"}
+    assert found.headline == "rank 1 stopped with an error, and rank 0 waits in a send or receive it will never answer"
+    assert found.lines == ["rank 0 waits in recv on group '1' (ranks 0, 1) at line 4 (`self.schedule.step(*inputs)`)"]
+    # The same receive while its peer finished well, or still runs, is waited for as usual.
+    assert find_deadlock({0: stage}, {1: finished({"1": group((0, 1), 2, issued=6)})}, now=NOW) is None
+    assert find_deadlock({0: stage, 1: state({"1": group((0, 1), 2, issued=6)})}, {}, now=NOW) is None
+
+
 def test_ranks_not_in_the_cell_never_join_and_unknown_ones_are_never_blamed():
     waiting = {0: state(waiting_in("all_reduce", 2, members=(0, 1, 2, 3)))}
     idle = {rank: {"0": group((0, 1, 2, 3), 1)} for rank in (1, 2, 3)}
