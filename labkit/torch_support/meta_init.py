@@ -35,11 +35,6 @@ _ALIGN = 16  # every tensor starts at a multiple of this in a packet, so its byt
 Listing = list[tuple[str, tuple[int, ...], torch.dtype]]  # (name, shape, dtype) in the order sent
 
 
-def on_meta(network: nn.Module) -> bool:
-    """Whether ``network`` holds anything on the meta device (it still needs memory and values)."""
-    return any(tensor.is_meta for tensor in _tensors(network))
-
-
 def fill_from_rank0(network: nn.Module, whole: nn.Module | None, device: torch.device, transfer: torch.device,
                     group: dist.ProcessGroup | None = None) -> None:
     """Give ``network`` (split on the meta device) memory on ``device`` and the values of ``whole``, which
@@ -57,8 +52,9 @@ def fill_from_rank0(network: nn.Module, whole: nn.Module | None, device: torch.d
     mine = _every_tensor(network)
     _agree_nothing_missing(sorted(set(mine) - {name for name, _, _ in listing}), transfer, group)
     for packet in _packets(listing):
-        flat = _pack([source[name] for name, _, _ in packet], transfer) if whole is not None else \
-            torch.empty(_packet_bytes(packet), dtype=torch.uint8, device=transfer)
+        flat = torch.empty(_packet_bytes(packet), dtype=torch.uint8, device=transfer)  # padding is never read
+        if whole is not None:
+            _pack([source[name] for name, _, _ in packet], flat)
         dist.broadcast(flat, src=0, group=group)
         with torch.no_grad():
             for (name, shape, dtype), value in zip(packet, _unpack(flat, packet)):
@@ -84,11 +80,6 @@ def _tie_again(network: nn.Module, ties: list[list[str]]) -> None:
             module = network.get_submodule(owner)
             if getattr(module, attribute) is not kept:
                 setattr(module, attribute, kept)
-
-
-def _tensors(network: nn.Module) -> Iterator[torch.Tensor]:
-    yield from network.parameters()
-    yield from network.buffers()
 
 
 def _every_tensor(network: nn.Module) -> dict[str, torch.Tensor]:
@@ -137,15 +128,12 @@ def _packet_bytes(packet: Listing) -> int:
     return sum(_aligned(_size(shape, dtype)) for _, shape, dtype in packet)
 
 
-def _pack(tensors: list[torch.Tensor], transfer: torch.device) -> torch.Tensor:
-    flat = torch.zeros(sum(_aligned(t.numel() * t.element_size()) for t in tensors), dtype=torch.uint8,
-                       device=transfer)
+def _pack(tensors: list[torch.Tensor], flat: torch.Tensor) -> None:
     offset = 0
     for tensor in tensors:
         size = tensor.numel() * tensor.element_size()
         flat[offset:offset + size].copy_(tensor.detach().contiguous().reshape(-1).view(torch.uint8))
         offset += _aligned(size)
-    return flat
 
 
 def _unpack(flat: torch.Tensor, packet: Listing) -> Iterator[torch.Tensor]:

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from labkit.torch_support.meta_init import fill_from_rank0, on_meta
+from labkit.torch_support.meta_init import fill_from_rank0
 from labkit.torch_support.trainable import OwnTrainable, initial_network, seeded_build
 
 
@@ -28,6 +28,10 @@ class Stack(nn.Module):
 class Staged(Stack):
     def keep_stage(self, stage, stages):
         pass
+
+
+def on_meta(network: nn.Module) -> bool:
+    return any(tensor.is_meta for tensor in [*network.parameters(), *network.buffers()])
 
 
 def trainable(factory, options=None, meta=True) -> OwnTrainable:
