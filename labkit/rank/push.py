@@ -42,7 +42,7 @@ def build_all(items: list[dict] | tuple[dict, ...], namespace: dict) -> dict:
 def build(item: dict, namespace: dict, staged: dict):
     how = item["how"]
     if how == "module":
-        return importlib.import_module(item["module"])
+        return _imported(item["module"], item["name"])
     if how == "class":
         made: dict = {}
         try:  # the names the statement reads (bases, decorators) come from this push first, then the namespace
@@ -56,6 +56,17 @@ def build(item: dict, namespace: dict, staged: dict):
     return PushedUnpickler(item, namespace, staged).load()
 
 
+def _imported(module: str, needed_by: str):
+    """``module`` imported, or an error that says the notebook has it and this rank does not, and what to do."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as error:
+        raise type(error)(
+            f"{needed_by} needs the module {module!r}, which the notebook imported and this rank cannot ({error}): "
+            "install it where the ranks run, put its folder on their path (a %%lab cell: import sys; "
+            "sys.path.insert(0, FOLDER)), or define what it holds in a notebook cell", name=error.name) from error
+
+
 class PushedUnpickler(pickle.Unpickler):
     """Reads a pushed value; resolves what ``runs.push.NotebookPickler`` left out of the pickle."""
 
@@ -65,10 +76,16 @@ class PushedUnpickler(pickle.Unpickler):
         self.namespace = namespace
         self.staged = staged
 
+    def find_class(self, module, name):
+        """A class or function of an importable module, by name, as pickle finds it; a module the rank
+        cannot import is said to be the notebook's."""
+        _imported(module, self.name)
+        return super().find_class(module, name)
+
     def persistent_load(self, pid):
         kind, what = pid
         if kind == "module":
-            return importlib.import_module(what)
+            return _imported(what, self.name)
         if kind == "function":  # a CannedFunction: its globals become the namespace, as in lab.run
             return what.get_object(self.namespace)
         head, _, rest = what.partition(".")

@@ -77,13 +77,29 @@ def _report_from_remote_error(rank: int, error: BaseException) -> RankReport:
     if isinstance(traceback, (list, tuple)):
         traceback = "\n".join(traceback)
     kind = FailureKind.INTERRUPTED if error_type == "KeyboardInterrupt" else FailureKind.RAISED
-    if "serialize_object" in str(traceback):
+    frames = str(traceback)
+    if "deserialize_object" in frames or "unpack_apply_message" in frames:
+        # The work never ran: what it was given could not be read on the rank.
+        # ipyparallel's frames say nothing to the user: the whole explanation stands where they would.
+        explained = _unreadable_work(error_type, message)
+        return _report(rank, kind, error_type, explained, f"{error_type}: {explained}")
+    if "serialize_object" in frames:
         # The work ran; its result could not be pickled back. ipyparallel's frames say nothing more.
         return _report(rank, kind, error_type,
                        f"the work ran, but its result could not be sent back: {message}. Results travel pickled: "
                        "return plain data (numbers, strings, lists, dicts, tensors), and keep locks, open files, "
                        "sockets or modules in the rank's namespace instead")
     return _report(rank, kind, error_type, message, str(traceback))
+
+
+def _unreadable_work(error_type: str, message: str) -> str:
+    """Why work sent to a rank could not be read there, and what to do."""
+    text = f"the work could not be read on this rank, so it did not run: {message}"
+    if error_type in ("ModuleNotFoundError", "ImportError", "AttributeError"):
+        text += ("\nA function or class of a module the notebook imported travels by name, and the rank must import "
+                 "the same module: install it where the ranks run, put its folder on their path (a %%lab cell: "
+                 "import sys; sys.path.insert(0, FOLDER)), or define it in a notebook cell")
+    return text
 
 
 class RankWork:

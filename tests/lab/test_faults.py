@@ -6,6 +6,7 @@ Every test bounds its waits and checks that no process it caused is left.
 
 import os
 import signal
+import sys
 import threading
 import time
 
@@ -152,6 +153,37 @@ def test_work_that_cannot_travel_is_explained(pair):
         pair.run(a_lock)
     assert "ipyparallel" not in str(failure.value)
     assert pair.run(lambda: this_rank().rank) == [0, 1]
+
+
+def test_a_module_only_the_notebook_can_import_is_named_with_the_fix(pair, tmp_path, monkeypatch):
+    # A helper module beside the notebook, reached through the notebook's own sys.path entry: the ranks
+    # cannot import it by name, which is how functions and classes of modules travel.
+    (tmp_path / "notebook_helpers.py").write_text(
+        "import torch\n\n"
+        "def double(x):\n    return 2 * x\n\n"
+        "class Net(torch.nn.Module):\n"
+        "    def __init__(self):\n        super().__init__()\n        self.layer = torch.nn.Linear(4, 2)\n\n"
+        "    def forward(self, x):\n        return self.layer(x)\n\n"
+        "def batch(step, generator):\n"
+        "    return torch.randn(4, 4, generator=generator), torch.randint(0, 2, (4,), generator=generator)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "notebook_helpers", raising=False)
+    import notebook_helpers
+
+    with pytest.raises(RankFailure, match=r"could not be read on this rank, so it did not run: No module named "
+                                          r"'notebook_helpers'") as failure:
+        pair.run(notebook_helpers.double, 3)
+    text = "\n".join([str(failure.value), *getattr(failure.value, "__notes__", [])])
+    assert "travels by name" in text and "sys.path.insert" in text and "sent back" not in text
+    with pytest.raises(RankFailure, match=r"needs the module 'notebook_helpers', which the notebook imported and "
+                                          r"this rank cannot.*sys.path.insert"):
+        pair.train("ddp", model=notebook_helpers.Net, data=notebook_helpers.batch, steps=1, global_batch=4)
+    pair.run_cell(f"import sys\nsys.path.insert(0, {str(tmp_path)!r})")  # the fix the messages give
+    assert pair.run(notebook_helpers.double, 3) == [6, 6]
+    report = pair.train("ddp", model=notebook_helpers.Net, data=notebook_helpers.batch, steps=2, global_batch=4,
+                        log_every=10**9)
+    assert report.steps_done == 2
+    pair.run_cell(f"sys.path.remove({str(tmp_path)!r})\nsys.modules.pop('notebook_helpers', None)")
 
 
 def test_a_crash_in_native_code_says_which_signal_and_why(pair):

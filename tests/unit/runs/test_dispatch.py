@@ -269,6 +269,23 @@ def test_a_failure_outside_the_runtime_guard_becomes_a_report():
     assert work.failed
 
 
+def test_work_a_rank_could_not_read_is_not_called_a_result_that_could_not_be_sent_back():
+    # ipyparallel reads the work with deserialize_object and sends results with serialize_object.
+    read = dispatch._report_from_remote_error(0, _remote("ModuleNotFoundError", "No module named 'helpers'",
+                                                         "in unpack_apply_message\n  in deserialize_object"))
+    assert read["error"]["message"].startswith("the work could not be read on this rank, so it did not run")
+    assert "sys.path.insert" in read["error"]["message"]
+    sent = dispatch._report_from_remote_error(1, _remote("TypeError", "cannot pickle '_thread.lock' object",
+                                                         "in serialize_object"))
+    assert sent["error"]["message"].startswith("the work ran, but its result could not be sent back")
+
+
+def _remote(ename: str, evalue: str, traceback: str) -> Exception:
+    error = Exception(evalue)
+    error.ename, error.evalue, error.traceback = ename, evalue, traceback  # type: ignore[attr-defined]
+    return error
+
+
 def test_a_cells_value_is_kept_for_display():
     results = [FakeResult(0, ok(0, display="42"), answer_after=0.0), FakeResult(1, ok(1), answer_after=0.0)]
     _, work, _ = start(results)
