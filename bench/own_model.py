@@ -4,7 +4,7 @@
 
 Two user models: a small CNN on scikit-learn's digits (real data in its wheel) and a
 2-layer Hugging Face Llama built from a config (character ids of the standard
-library's own ``json`` sources), each under DDP and FSDP on 4 gloo ranks with one
+library's own ``json`` sources), each under DDP and FSDP on 4 gloo ranks (``--ranks``) with one
 thread each. For each pair, in one run and alternating which goes first:
 
 - ``lab.train(strategy, model=..., data=...)`` with instruments off, and with them on;
@@ -95,7 +95,7 @@ else:
     for block in blocks:
         fully_shard(block)
     fully_shard(net)
-optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3)
+optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3, weight_decay=0.0)  # as the lab's AdamW
 share = bench_batch // world_size
 order = torch.randperm(len(bench_data), generator=torch.Generator().manual_seed(0))
 times = []
@@ -113,6 +113,29 @@ bench_times = times
 '''
 
 
+# The same hand loop, and the step ``lab.train`` takes on the state it built (its model on its mesh, its
+# forward and backward with the loss, its optimizer step), alternated step by step in one cell: what the
+# machine does meanwhile falls on both alike, which runs a few seconds apart do not share on 2 cores.
+PAIRED_STEPS = HAND_LOOP.replace("times = []", """times = []
+from labkit.wire.entry import this_rank
+state = this_rank().train_state
+lab_times = []""").replace("    began = time.perf_counter()", """    lab_first = step % 2 == 0
+    if lab_first:
+        lab_times.append(lab_step(state, (inputs, targets)))
+    began = time.perf_counter()""").replace("bench_times = times", """    if not lab_first:
+        lab_times.append(lab_step(state, (inputs, targets)))
+bench_times, bench_lab_times = times, lab_times""")
+PAIRED_STEPS = """
+def lab_step(state, batch):
+    began = time.perf_counter()
+    state.optimizer.zero_grad(set_to_none=True)
+    state.parallel.forward_backward(batch)
+    state.parallel.optimizer_step(state.optimizer)
+    state.finish_step()
+    return time.perf_counter() - began
+""" + PAIRED_STEPS
+
+
 def hand_written(lab: Lab, strategy: str, model, data, steps: int, batch: int) -> float:
     lab.push(bench_model=model, bench_data=data, bench_strategy=strategy, bench_steps=steps, bench_batch=batch)
     lab.run_cell(HAND_LOOP, live=False)
@@ -127,6 +150,22 @@ def _times() -> list[float]:
     return globals()["bench_times"]  # on the rank: what HAND_LOOP left in its namespace
 
 
+def paired(lab: Lab, strategy: str, model, data, steps: int, batch: int) -> tuple[float, float]:
+    """Median step (slowest rank) of the hand loop and of the lab's step, alternated step by step."""
+    lab.train(strategy, model=model, data=data, steps=1, global_batch=batch, lr=1e-3, instruments=False,
+              log_every=10**9)  # builds the lab's state for this model and strategy
+    lab.push(bench_model=model, bench_data=data, bench_strategy=strategy, bench_steps=steps, bench_batch=batch)
+    lab.run_cell(PAIRED_STEPS, live=False)
+    per_rank = lab.run(_both_times)
+    return tuple(statistics.median(max(times[kind][step] for times in per_rank) for step in range(2, steps))
+                 for kind in (0, 1))
+
+
+def _both_times() -> tuple[list[float], list[float]]:
+    names = globals()  # on the rank: what PAIRED_STEPS left in its namespace
+    return names["bench_times"], names["bench_lab_times"]
+
+
 def through_lab(lab: Lab, strategy: str, model, data, steps: int, batch: int, instruments: bool) -> float:
     report = lab.train(strategy, model=model, data=data, steps=steps, global_batch=batch, lr=1e-3,
                        instruments=instruments, log_every=10**9)
@@ -137,6 +176,11 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--ranks", type=int, default=4,
+                        help="2 gives each rank a core of its own on a 2-core machine: less scheduling noise")
+    parser.add_argument("--paired-steps", type=int, default=200,
+                        help="steps of the run that alternates the hand loop's step and the lab's step")
+    parser.add_argument("--strategies", default="ddp,fsdp", help="which of ddp,fsdp to compare")
     args = parser.parse_args()
     models = {"digits CNN": (DigitsCNN, digits_data(), 64)}
     try:
@@ -145,7 +189,7 @@ def main() -> None:
     except ImportError:
         print("transformers is not installed: the Llama rows are left out")
     rows = []
-    with Lab(ranks=4, backend="gloo", threads_per_rank=1) as lab:
+    with Lab(ranks=args.ranks, backend="gloo", threads_per_rank=1) as lab:
         began = time.perf_counter()
         lab.train("ddp", "mlp", steps=1, log_every=10**9)  # the lab's first run: meshes, DDP's first use
         zoo_first = time.perf_counter() - began
@@ -156,7 +200,7 @@ def main() -> None:
         lab.train("ddp", model=DigitsCNN, data=models["digits CNN"][1], steps=1, log_every=10**9)
         again = time.perf_counter() - began
         for name, (model, data, batch) in models.items():
-            for strategy in ("ddp", "fsdp"):
+            for strategy in args.strategies.split(","):
                 measured: dict[str, list[float]] = {"hand": [], "lab": [], "lab+instruments": []}
                 for repeat in range(args.repeats):
                     order = ["hand", "lab", "lab+instruments"]
@@ -176,16 +220,20 @@ def main() -> None:
                        "lab_instruments_ms": statistics.median(measured["lab+instruments"]) * 1000,
                        "ratio": statistics.median(ratios), "ratio_instruments": statistics.median(with_instruments),
                        "ratios": ratios, "ratios_instruments": with_instruments}
+                hand_paired, lab_paired = paired(lab, strategy, model, data, args.paired_steps, batch)
+                row.update(paired_hand_ms=hand_paired * 1000, paired_lab_ms=lab_paired * 1000,
+                           paired_ratio=lab_paired / hand_paired)
                 rows.append(row)
                 print(f"{name:22s} {strategy:5s} hand {row['hand_ms']:7.2f} ms  lab {row['lab_ms']:7.2f} ms "
                       f"({row['ratio']:.3f}x, {min(ratios):.2f}-{max(ratios):.2f})  with instruments "
                       f"{row['lab_instruments_ms']:7.2f} ms ({row['ratio_instruments']:.3f}x, "
-                      f"{min(with_instruments):.2f}-{max(with_instruments):.2f})", flush=True)
-    print(f"lab.train(model=DigitsCNN, steps=1) on 4 ranks: {first_run:.2f} s the first time (after the lab's "
+                      f"{min(with_instruments):.2f}-{max(with_instruments):.2f})  step by step: hand {hand_paired * 1000:.2f} ms, "
+                      f"lab {lab_paired * 1000:.2f} ms ({row['paired_ratio']:.3f}x)", flush=True)
+    print(f"lab.train(model=DigitsCNN, steps=1) on {args.ranks} ranks: {first_run:.2f} s the first time (after the lab's "
           f"first run, of the zoo's mlp: {zoo_first:.2f} s), {again:.2f} s again")
     write_results(RESULTS, {"rows": rows, "first_train_seconds": first_run, "again_train_seconds": again,
                             "zoo_first_train_seconds": zoo_first,
-                                "steps": args.steps, "repeats": args.repeats})
+                                "steps": args.steps, "repeats": args.repeats, "ranks": args.ranks})
 
 
 if __name__ == "__main__":

@@ -123,6 +123,8 @@ def take_rows(batch: Batch, start: int, stop: int) -> Batch:
 
 def chunk_rows(batch: Batch, parts: int) -> list[Batch]:
     """The batch cut into ``parts`` batches of equal rows, in order; ValueError when the rows do not divide."""
+    if parts == 1:
+        return [batch]  # every step of a run without micro-batches: nothing to cut, nothing to walk
     rows = check_batch(batch, "the batch to split")
     if parts < 1 or rows % parts:
         raise ValueError(f"a batch of {rows} rows does not split into {parts} equal parts: "
@@ -218,7 +220,10 @@ def default_loss(output: Any, batch: Batch) -> torch.Tensor:
         raise ValueError(f"the default loss is cross-entropy on class ids: integer targets of shape (N,) with logits "
                          f"(N, C), or (N, T) with logits (N, T, C); here {described} and logits of shape "
                          f"{tuple(logits.shape)}. For any other loss pass loss=, e.g. {_EXAMPLE_LOSS}")
-    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1).long())
+    targets = targets.reshape(-1)
+    if targets.dtype != torch.long:
+        targets = targets.long()
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets)
 
 
 def tokens_per_sample(batch: Batch) -> int | None:
