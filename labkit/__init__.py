@@ -32,6 +32,9 @@ _EXPORTS = {
     "torchrun": "labkit.runs.torchrun",
     "TaskFailed": "labkit.runs.task_results",
     "TorchrunFailed": "labkit.runs.torchrun",
+    "StopRequested": "labkit.rank.instruments.loop_watch",
+    "log": "labkit.loop_marks",
+    "step": "labkit.loop_marks",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -16,7 +16,6 @@ from __future__ import annotations
 from labkit.cluster.launchers import choose_launcher
 from labkit.cluster.placement import RankPlan, plan_ranks
 from labkit.runs.push import push_values, run_on
-from labkit.runs.sources import read_script, script_argv
 from labkit.runs.status import LabStatus, collect_status
 from labkit.runs.launch import launch_training
 from labkit.session import Session
@@ -232,25 +231,34 @@ class Lab:
 
     def run_cell(
         self, code: str, ranks=None, timeout: float | None = None, live: bool | None = None, show_values: bool = False,
-        cell: int | None = None,
-    ) -> list:
+        cell: int | None = None, instruments: bool = False, dashboard: bool = False, background: bool = False,
+    ):
         """Run notebook code on the ranks (all, or ``ranks``); output is labelled by rank.
 
         Returns the repr of each rank's last expression (None where there is none); ``show_values`` also prints
         them as ``[rank r] Out: ...``, as ``%%lab`` does. ``live`` forces (True) or avoids (False) the redrawn
-        display. ``cell``: the execution count of the ``%%lab`` cell ``code`` is from (tracebacks name it)."""
+        display. ``cell``: the execution count of the ``%%lab`` cell ``code`` is from (tracebacks name it).
+        ``instruments``, ``dashboard``, ``background``: its loop is watched, as ``run_script``'s."""
+        if instruments or dashboard or background:
+            from labkit.runs.script_run import run_cell
+
+            return run_cell(self.session, code, cell, ranks, timeout, dashboard, background)
         # The ranks are named after the heal that comes first (it may renumber them).
-        reports = self.session.execute(ranks, entry.run_cell, (code, cell), timeout, live=live, show_values=show_values)
+        reports = self.session.execute(ranks, entry.run_cell, (code, cell, None), timeout, live=live,
+                                       show_values=show_values)
         return [reports[rank].get("display") for rank in sorted(reports)]
 
-    def run_script(self, path: str, *args, ranks=None, timeout: float | None = None) -> None:
+    def run_script(self, path: str, *args, ranks=None, timeout: float | None = None, instruments: bool = False,
+                   dashboard: bool = False, background: bool = False):
         """Run a script written for torchrun, unmodified, as ``__main__`` on every rank (or ``ranks``).
 
         ``args`` become its ``sys.argv[1:]``. Its ``init_process_group`` finds the lab's group,
-        ``destroy_process_group()`` leaves it, ``sys.exit(0)`` succeeds (see ``script_runner``).
-        """
-        source, where = read_script(path)
-        self.session.execute(ranks, entry.run_script, (source, where, script_argv(path, args)), timeout)
+        ``destroy_process_group()`` leaves it, ``sys.exit(0)`` succeeds (see ``rank.script``). ``instruments``:
+        its loop is watched and a ``LoopReport`` returned; ``dashboard`` draws it live; ``background`` returns
+        a ``WatchedRun`` at once, whose ``stop()`` ends the loop at a step boundary (see ``runs.script_run``)."""
+        from labkit.runs.script_run import run_script
+
+        return run_script(self.session, path, args, ranks, timeout, instruments, dashboard, background)
 
     def tasks(self, fn, items, timeout: float | None = None, retries: int | None = None, live: bool | None = None):
         """Run ``fn(item)`` for every item on whichever rank is idle (a work-stealing queue).
@@ -259,8 +267,7 @@ class Lab:
         fast rank does more. A rank lost mid-task is replaced and its task requeued (at most
         ``retries`` times, default the number of ranks): each task completes exactly once.
         ``timeout`` bounds each task. Returns a ``TaskResults`` (values in item order); raises
-        ``TaskFailed`` (with ``.results``) when a task raised. See ``labkit.runs.tasks``.
-        """
+        ``TaskFailed`` (with ``.results``) when a task raised. See ``labkit.runs.tasks``."""
         from labkit.runs.tasks import run_tasks
 
         return run_tasks(self.session, fn, items, timeout=timeout, retries=retries, live=live)
@@ -272,29 +279,16 @@ class Lab:
         ``vary``: "seed" (own initial weights) or "lr" (learning rates spread around ``lr``);
         ``combine``: "mean" (averaged probabilities) or "vote". Settings: lr, seed, global_batch,
         heldout_batches, optimizer, model_settings, timeout, retries. Returns an ``EnsembleReport``:
-        each member's held-out score against the ensemble's. See ``labkit.runs.ensemble``.
-        """
+        each member's held-out score against the ensemble's. See ``labkit.runs.ensemble``."""
         from labkit.runs.ensemble import run_ensemble
 
         return run_ensemble(self.session, model, members, steps, vary, combine, **settings)
 
     # -- training ---------------------------------------------------------
 
-    def train(
-        self,
-        strategy: str | None = None,
-        model=None,
-        steps: int | None = None,
-        mesh: dict | None = None,
-        data=None,
-        loss=None,
-        resume: bool = False,
-        timeout: float | None = None,
-        dashboard: bool = False,
-        background: bool = False,
-        straggler_threshold: float = DEFAULT_THRESHOLD,
-        **settings,
-    ):
+    def train(self, strategy: str | None = None, model=None, steps: int | None = None, mesh: dict | None = None,
+              data=None, loss=None, resume: bool = False, timeout: float | None = None, dashboard: bool = False,
+              background: bool = False, straggler_threshold: float = DEFAULT_THRESHOLD, **settings):
         """Train a model of the zoo, of an installed plugin, or your own, on every rank under ``strategy``.
 
         strategy: ddp (default), fsdp, tp, pp, diloco, ps, or a composition (fsdp+tp, ddp+pp, pp+tp...). steps: 20.

@@ -79,7 +79,7 @@ class LabMagics(Magics):
         %lab link [100Mbit] [20ms] | %lab link off | %lab link   (a simulated slow network; alone: show it)
         %lab seed S [--same]    seed torch, numpy, random on every rank: S + rank (S everywhere with --same)
         %lab push NAME [NAME ...] [--ranks 0,2]   the notebook's functions, classes, modules, values onto the ranks
-        %lab run [--ranks 0,2] [--timeout S] script.py [args ...]   a torchrun-style script as __main__
+        %lab run [--ranks 0,2] [--timeout S] [--dashboard] script.py [args ...]   a torchrun-style script as __main__
         %lab bench allreduce|all_gather|reduce_scatter|broadcast [--sizes 1KB:16MB] [--iters N]
         %lab checkpoint save|load PATH   save or load the ranks' training state (torch.distributed.checkpoint)
         %lab kill RANK | %lab heal      SIGKILL a rank; replace what died and go on from the last checkpoint
@@ -88,7 +88,7 @@ class LabMagics(Magics):
         %lab start N --launcher mpi|ssh|slurm [--launcher-option K=V] [--controller-address A] [--encrypt]
         %lab join-command      the line that makes another machine's engine join as the next rank
         %lab status | %lab timeout S | %lab restart | %lab stop
-        %%lab [--ranks 0,2] [--timeout S]       run the cell on the ranks
+        %%lab [--ranks 0,2] [--timeout S] [--dashboard]   run the cell on the ranks
         %lab --help | %lab COMMAND --help      every command in one line | one command's options
         """
         if cell is not None:
@@ -254,7 +254,7 @@ class LabMagics(Magics):
         self._require_lab().push({name: namespace[name] for name in options.names}, ranks=options.ranks)
         return None
 
-    def run_script(self, words: list[str]) -> None:
+    def run_script(self, words: list[str]) -> Any:
         lab = self._require_lab()
         options, words = split_run_words(words)
         if not words:
@@ -265,8 +265,9 @@ class LabMagics(Magics):
             timeout = seconds(timeout_text) if timeout_text else None
         except (ValueError, argparse.ArgumentTypeError) as error:
             raise UsageError(f"%lab run: {error}") from None
-        lab.run_script(words[0], *words[1:], ranks=ranks, timeout=timeout)
-        return None
+        watched = {flag: bool(options[f"--{flag}"]) for flag in ("instruments", "dashboard", "background")}
+        # Watched: the report (or the run in the background) is the cell's value, as lab.train's is.
+        return lab.run_script(words[0], *words[1:], ranks=ranks, timeout=timeout, **watched)
 
     def bench(self, words: list[str]) -> Any:
         options = self._parser("bench").parse_args(words)
@@ -312,12 +313,13 @@ class LabMagics(Magics):
 
     # -- cells ------------------------------------------------------------
 
-    def _run_cell(self, line: str, cell: str) -> None:
+    def _run_cell(self, line: str, cell: str) -> Any:
         lab = self._require_lab()
         options = self._parser(CELL).parse_args(shlex.split(line))
-        lab.run_cell(cell, ranks=options.ranks, timeout=options.timeout, show_values=True,
-                     cell=self._shell.execution_count)
-        return None
+        watched = dict(instruments=options.instruments, dashboard=options.dashboard, background=options.background)
+        value = lab.run_cell(cell, ranks=options.ranks, timeout=options.timeout, show_values=True,
+                             cell=self._shell.execution_count, **watched)
+        return value if any(watched.values()) else None
 
     # -- extension lifecycle ---------------------------------------------------
 

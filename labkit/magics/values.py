@@ -14,6 +14,7 @@ from IPython.core.error import UsageError
 from labkit.units import parse_duration, positive_seconds, power_of_two_range
 
 RUN_OPTIONS = ("--ranks", "--timeout")  # %lab run's own options, which stand before the script
+RUN_FLAGS = ("--instruments", "--dashboard", "--background")  # and its switches, there too
 
 
 def seconds(text: str) -> float:
@@ -60,9 +61,13 @@ def duration(text: str) -> float | None:
 
 
 def split_run_words(words: list[str]) -> tuple[dict[str, str | None], list[str]]:
-    """``%lab run``'s words -> ({option: value}, [script, its arguments ...]): options stand before the script."""
-    options: dict[str, str | None] = dict.fromkeys(RUN_OPTIONS)
+    """``%lab run``'s words -> ({option: value, switch: "on" or None}, [script, its arguments ...]): options
+    stand before the script."""
+    options: dict[str, str | None] = dict.fromkeys(RUN_OPTIONS + RUN_FLAGS)
     while words and words[0] in options:
+        if words[0] in RUN_FLAGS:  # a switch: present or not
+            options[words[0]], words = "on", words[1:]
+            continue
         if len(words) < 2:
             raise UsageError(f"{words[0]} needs a value, e.g. %lab run --ranks 0,2 train.py")
         options[words[0]], words = words[1], words[2:]

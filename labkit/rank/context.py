@@ -40,6 +40,7 @@ class RankContext:
         self.train_state: TrainState | None = None  # the last run's, until the group changes
         # The user's own model, data and loss last built from what the notebook sent: (fingerprint, parts).
         self.own_built: tuple[str, dict] | None = None
+        self.loop_watch = None  # the instruments on user code while it runs watched (``instruments.loop_watch``)
 
     def mesh_for(self, shape, names, instrumented: bool = True):
         """A device mesh of this shape, built once per process group (building one creates groups).

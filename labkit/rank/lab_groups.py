@@ -28,6 +28,7 @@ different groups.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -87,6 +88,7 @@ class LabGroups:
         self.generation = 0
         self.timeout: timedelta | None = None
         self.connections: set = set()  # (local, remote) addresses of the TCP connections of this rank's groups
+        self.new_recorder = None  # what a group made now reports to (None: nothing; see ``recording_into``)
 
     # -- building ---------------------------------------------------------------
 
@@ -134,7 +136,7 @@ class LabGroups:
         if self._world().rank() not in ranks:
             return None
         recipe = GroupRecipe(str(name), tuple(ranks), description or "undefined", options, timeout)
-        handle = TimedGroup(self._build(recipe), QuietRecorder(), self.link)
+        handle = TimedGroup(self._build(recipe), self.new_recorder or QuietRecorder(), self.link)
         handle._set_group_name(torch_internals.group_name(recipe.name))
         handle._set_group_desc(recipe.description)
         self.handles[handle] = recipe
@@ -152,6 +154,24 @@ class LabGroups:
             torch_internals.hand_over_registration(raw, handle)
             torch_internals.put_in_mesh(mesh, name, handle)
             self.handles[handle] = recipe
+
+    @contextlib.contextmanager
+    def recording_into(self, recorder):
+        """Within: the groups that note nothing (the world, a cell's or script's own) report every operation
+        to ``recorder``, and so do groups made meanwhile; afterwards they note nothing again. A loop the lab
+        did not write is watched so (``instruments.loop_watch``); the meshes of ``lab.train`` record already."""
+        before = set(self.handles)
+        quiet = {handle for handle in before if getattr(handle.recorder, "quiet", False)}
+        for handle in quiet:
+            handle.recorder = recorder
+        self.new_recorder = recorder
+        try:
+            yield
+        finally:
+            self.new_recorder = None
+            for handle in self.handles:
+                if handle in quiet or (handle not in before and handle.recorder is recorder):
+                    handle.recorder = QuietRecorder()
 
     def reconfigure(self, generation: int, timeout) -> int:
         """Every live handle gets its group of generation ``generation`` (same ranks, same names); how many.

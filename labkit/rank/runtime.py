@@ -247,12 +247,13 @@ class RankRuntime(RankContext):
 
     # -- running user work ------------------------------------------------------
 
-    def run_cell(self, code: str, cell: int | None, timeout_seconds: float) -> dict:
+    def run_cell(self, code: str, cell: int | None, timeout_seconds: float, watch: dict | None = None) -> dict:
         """Run a cell's code in this rank's namespace; the last expression is shown.
 
         ``cell``: the notebook's execution count when ``code`` is a ``%%lab`` cell's body. Tracebacks
         then name the cell as its prompt does and count lines as the editor does (the ``%%lab``
-        line is line 1); code given to ``lab.run_cell`` is named by its call on this rank."""
+        line is line 1); code given to ``lab.run_cell`` is named by its call on this rank. ``watch``: instruments
+        on the loop it runs, as for a script (``run_script``)."""
         self.cells_run += 1
         if cell is None:
             filename = f"<lab.run_cell {self.cells_run}>"
@@ -270,7 +271,7 @@ class RankRuntime(RankContext):
                 return None if value is None else repr(value)
             return None
 
-        return self._guarded(body, timeout_seconds, result_key="display")
+        return self._guarded(self._watched(body, watch), timeout_seconds, result_key="display")
 
     def call(self, fn, args, kwargs, sources: dict | None, timeout_seconds: float) -> dict:
         """Call ``fn``; ``sources`` (filename -> lines) lets tracebacks show notebook-defined code."""
@@ -278,16 +279,37 @@ class RankRuntime(RankContext):
             linecache.cache[filename] = (sum(map(len, lines)), None, lines, filename)
         return self._guarded(lambda: fn(*args, **kwargs), timeout_seconds, result_key="value")
 
-    def run_script(self, source: str, path: str, argv: list[str], timeout_seconds: float) -> dict:
+    def run_script(self, source: str, path: str, argv: list[str], timeout_seconds: float,
+                   watch: dict | None = None) -> dict:
         """Run a torchrun-style script as ``__main__`` (see ``labkit.rank.script``), as in a fresh process:
-        its random state drawn afresh (or seeded as ``lab.seed`` asked), its groups destroyed at its end."""
+        its random state drawn afresh (or seeded as ``lab.seed`` asked), its groups destroyed at its end.
+
+        ``watch``: instruments on its loop (``{"stoppable": bool}``, see ``instruments.loop_watch``); the
+        value is then what they saw, with ``stopped`` when a stop the notebook asked for ended it."""
         from labkit.rank.script import run_script
 
         def script():
             seed_as_asked(self.seeding, self.rank)
             return run_script(source, path, argv, self.lasting_modules)
 
-        return self._guarded(script, timeout_seconds, result_key="value", fresh_process=True)
+        return self._guarded(self._watched(script, watch), timeout_seconds, result_key="value", fresh_process=True)
+
+    def _watched(self, work, watch: dict | None):
+        """``work`` as is, or run under a ``LoopWatch`` returning what it saw."""
+        if watch is None:
+            return work
+        from labkit.rank.instruments.loop_watch import LoopWatch, StopRequested
+
+        def watched():
+            with LoopWatch(self, stoppable=bool(watch.get("stoppable"))) as loop:
+                value = None
+                try:
+                    value = work()
+                except StopRequested:  # asked for by the notebook, and not caught by the loop: a clean end
+                    pass
+            return {**loop.result(), "value": value}
+
+        return watched
 
     def _guarded(self, work, timeout_seconds: float, result_key: str, fresh_process: bool = False) -> dict:
         """Run user work: the lab's group stands in for the user's init/destroy, exit(0) succeeds; the notebook's

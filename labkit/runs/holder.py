@@ -1,4 +1,5 @@
-"""``RunHolder``: what owns a lab's ranks while long work runs on them.
+"""``RunHolder``: what owns a lab's ranks while long work runs on them; ``StoppableRun``: what runs
+in the background share.
 
 ``Session.claim`` makes the ranks a holder's until ``Session.release``: a training
 run (``runs.training_run.TrainingRun``) or a task queue (``runs.tasks.TaskQueue``).
@@ -8,7 +9,10 @@ stopping the lab asks the holder to end first and waits a while for it.
 
 from __future__ import annotations
 
-from typing import Protocol
+import threading
+from typing import Any, Protocol
+
+from labkit.spec.errors import LabError
 
 
 class RunHolder(Protocol):
@@ -30,3 +34,39 @@ class RunHolder(Protocol):
     def finished(self, timeout: float | None = None) -> bool:
         """Wait up to ``timeout`` seconds for it to end; whether it has."""
         ...
+
+
+class StoppableRun:
+    """What a run on the ranks in the notebook's background shares (a training run, a watched script): a stop
+    asked for at a step boundary, and the wait for its report. A subclass sets ``session``, ``_done``
+    (a ``threading.Event``), ``error`` and ``report``, and says what is still going in ``_going()``."""
+
+    session: Any
+    _done: threading.Event
+    error: BaseException | None
+    report: Any
+
+    def _going(self) -> str:
+        return "the run"
+
+    def stop(self) -> None:
+        """Ask every rank to stop after the step it is in (they agree on which)."""
+        if not self._done.is_set():
+            self.session.control.request_stop(True)
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def finished(self, timeout: float | None = None) -> bool:
+        """Wait up to ``timeout`` seconds for the run to end; whether it has."""
+        return self._done.wait(timeout)
+
+    def wait(self, timeout: float | None = None):
+        """Block until the run ends; return its report or raise its failure."""
+        if not self._done.wait(timeout):
+            raise LabError(f"{self._going()} is still going after {timeout:g} s; run.stop() ends it at the next step")
+        if self.error is not None:
+            raise self.error
+        assert self.report is not None, "a run that ended without an error made its report"
+        return self.report

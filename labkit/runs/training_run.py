@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, cast
 
 from labkit.runs.dispatch import RankWork, make_output
 from labkit.runs.healing import Interrupted, continuation, has_checkpoint, surviving_step
+from labkit.runs.holder import StoppableRun
 from labkit.spec.errors import LabError
 from labkit.spec.train_config import TrainConfig
 from labkit.strategies.catalog import role_of
@@ -46,7 +47,7 @@ STOP_HINT = "interrupt the kernel (■) to stop at a step boundary"
 UiEvents = Callable[[], AbstractContextManager[Callable[[int], object]]]
 
 
-class TrainingRun:
+class TrainingRun(StoppableRun):
     def __init__(self, session: Session, config: TrainConfig, timeout: float, dashboard: bool, background: bool,
                  straggler_threshold: float = DEFAULT_THRESHOLD) -> None:
         self.session = session
@@ -232,27 +233,9 @@ class TrainingRun:
 
     # -- control --------------------------------------------------------------
 
-    def stop(self) -> None:
-        """Ask every rank to stop after the step it is in (they agree on which)."""
-        if not self._done.is_set():
-            self.session.control.request_stop(True)
-
-    @property
-    def done(self) -> bool:
-        return self._done.is_set()
-
-    def finished(self, timeout: float | None = None) -> bool:
-        """Wait up to ``timeout`` seconds for the run to end; whether it has."""
-        return self._done.wait(timeout)
-
     def wait(self, timeout: float | None = None) -> TrainReport:
         """Block until the run ends; return its report or raise its failure."""
-        if not self._done.wait(timeout):
-            raise LabError(f"the run is still going after {timeout:g} s; run.stop() ends it at the next step")
-        if self.error is not None:
-            raise self.error
-        assert self.report is not None, "a run that ended without an error made its report"
-        return self.report
+        return super().wait(timeout)
 
     def status(self) -> str:
         # The outcome decides, not the done flag: the dashboard's last header is drawn just before it is set.

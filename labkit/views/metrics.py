@@ -48,7 +48,7 @@ class MetricsTable:
     def __init__(
         self,
         world_size: int,
-        global_batch: int,
+        global_batch: int | None,
         peers_of: Mapping[int, Hashable] | None = None,
         threshold: float = DEFAULT_THRESHOLD,
         window: int = DEFAULT_WINDOW,
@@ -136,10 +136,17 @@ class MetricsTable:
         return steps, [n / s if s > 0 else 0.0 for n, s in zip(samples, seconds)]
 
     def total_throughput(self) -> float:
-        """Global batch over the median recent step time of the slowest rank."""
+        """Global batch over the median recent step time of the slowest rank. Without a global batch (a loop
+        the lab did not write), the samples every rank's rows counted in those steps."""
         times = self.step_times()
-        recent = list(times.values())[-RECENT_STEPS:]
-        return self.global_batch / statistics.median(recent) if recent else 0.0
+        recent = list(times)[-RECENT_STEPS:]
+        if not recent:
+            return 0.0
+        seconds = statistics.median(times[step] for step in recent)
+        if self.global_batch is not None:
+            return self.global_batch / seconds
+        batch = statistics.median(sum(self.rows[rank][step]["samples"] for rank in self.rows) for step in recent)
+        return batch / seconds
 
     def step_times(self) -> dict[int, float]:
         """{step: slowest rank's seconds} for steps every rank has reported."""

@@ -126,9 +126,10 @@ def in_notebook_state(state: dict, work, *args):
     return work(*args)
 
 
-def run_cell(code: str, cell: int | None, timeout_seconds: float) -> dict:
-    """``cell``: the notebook's execution count of the ``%%lab`` cell ``code`` is the body of, or None."""
-    return this_rank().run_cell(code, cell, timeout_seconds)
+def run_cell(code: str, cell: int | None, watch: dict | None, timeout_seconds: float) -> dict:
+    """``cell``: the notebook's execution count of the ``%%lab`` cell ``code`` is the body of, or None;
+    ``watch``: instruments on the loop it runs (None: none)."""
+    return this_rank().run_cell(code, cell, timeout_seconds, watch)
 
 
 def call(fn, args, kwargs, sources: dict | None, timeout_seconds: float) -> dict:
@@ -147,9 +148,10 @@ def train_member(spec: dict) -> dict:
     return this_rank().requests.train_member(spec)
 
 
-def run_script(source: str, path: str, argv: list[str], timeout_seconds: float) -> dict:
-    """``argv``: the script's ``sys.argv``, its path as typed first."""
-    return this_rank().run_script(source, path, argv, timeout_seconds)
+def run_script(source: str, path: str, argv: list[str], watch: dict | None, timeout_seconds: float) -> dict:
+    """``argv``: the script's ``sys.argv``, its path as typed first; ``watch``: instruments on its loop (None:
+    none)."""
+    return this_rank().run_script(source, path, argv, timeout_seconds, watch)
 
 
 def seed(value: int, same: bool) -> int:

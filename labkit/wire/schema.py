@@ -58,6 +58,7 @@ class StepRow(TypedDict):
     loss: Optional[float]
     delay: float  # injected slowdown (lab.slow)
     cpu: NotRequired[float]  # CPU ranks: the main thread's CPU time alone (what straggler scores compare)
+    scalars: NotRequired[dict]  # name -> number: what a loop the lab did not write logged (``labkit.log``)
 
 
 class StepWindow(TypedDict):
@@ -120,6 +121,20 @@ class RankResult(TypedDict, total=False):
     checkpoints: list  # the checkpoint directories this run saved (checkpoint_every)
     verify: Verdict
     strategy_results: dict  # what the strategy measured ("staleness": per applied update; "summary": a line)
+
+
+class LoopResult(TypedDict):
+    """One rank's account of a loop the lab did not write, watched (``rank.instruments.loop_watch``)."""
+
+    rank: int
+    rows: list  # StepRow, one per step the watch found
+    timeline: list  # TimelineStep
+    memory: MemoryBytes  # of the data-parallel module and the optimizers that stepped
+    steps_done: int
+    notes: list  # what the watch could not see, in words
+    found: Optional[str]  # the class of the data-parallel module whose batches were counted
+    stopped: bool  # a stop the notebook asked for was raised in the loop
+    value: object  # what the work returned (a script: None; a cell: its last expression's repr)
 
 
 EQUIVALENCE_TOLERANCE = 1e-5  # equal: within the larger of this and NOISE_FACTOR x the run's rounding noise

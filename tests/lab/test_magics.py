@@ -61,8 +61,11 @@ def test_help_of_a_command_is_its_options_one_line_each_and_nothing_else(shell, 
     shell.run_cell_magic("lab", "--help", "print(rank)")  # help only: the cell does not run
     assert printed_lines(capsys) == [
         "%%lab [options]: run the cell on every rank (or some); output labelled [rank r], the last value shown",
-        "  --ranks 0,2  run on these ranks only",
-        "  --timeout S  limit for this cell, seconds",
+        "  --ranks 0,2    run on these ranks only",
+        "  --timeout S    limit for this cell, seconds",
+        "  --instruments  watch the cell's loop: its report is the value",
+        "  --dashboard    draw the cell's loop live (instruments on)",
+        "  --background   return at once; .stop() ends it at a step",
     ]
     for line in ("train --help", "train --model gpt -h", "start -h", "start 2 --backend mpi --help", "bench --help",
                  "link --help", "run --ranks 0 --help", "tasks -h", "ensemble --help", "status --help",

@@ -164,6 +164,7 @@ LAYERS = (
     ("strategies",),  # the ways of splitting the work: declarations and their rank side
     ("spec",),  # what a user asks for, checked without torch
     ("rank",),  # the rank's runtime, training loop and instruments
+    ("loop_marks",),  # labkit.log and labkit.step: what user code tells the rank's instruments
     ("cluster",),  # engines, launchers, placement, health: the notebook's side of the ranks
     ("views",),  # tables, figures and dashboards
     ("runs",),  # work in flight: training runs, tasks, checkpoints, recovery

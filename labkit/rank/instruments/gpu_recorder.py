@@ -207,6 +207,15 @@ class CudaStepRecorder:
         self._pending: deque = deque()
         self._loss_slots = LossSlots()
 
+    @contextlib.contextmanager
+    def lab_traffic(self):
+        """Within: collectives are the lab's own, not the loop's (none is issued into a step's events)."""
+        self.paused = True
+        try:
+            yield
+        finally:
+            self.paused = False
+
     # -- fed by TimedGroup --------------------------------------------------
 
     def issued(self, device_type: str):

@@ -155,6 +155,17 @@ class StepRecorder:
             time.sleep(0.0002)
         self._issued = self._completed  # one that never completes must not slow every later step
 
+    @contextlib.contextmanager
+    def lab_traffic(self):
+        """Within: collectives are the lab's own (a stop agreed between steps), not the loop's; their
+        completions, which land on gloo's thread a moment after the wait, are let in before it ends."""
+        self.paused = True
+        try:
+            yield
+        finally:
+            self._settle()
+            self.paused = False
+
     # -- fed by the training loop (main thread) -----------------------------
 
     def begin_step(self, step: int) -> None:

@@ -90,3 +90,14 @@ def test_lab_help_lists_every_command_in_order_then_the_cell_magic():
     assert lines[0].startswith("%lab COMMAND [options]")
     assert [line.split()[0] for line in lines[1:-1]] == list(SUMMARIES)
     assert lines[-1] == f"%%lab [options]: {CELL_SUMMARY}"
+
+
+def test_run_and_cell_take_the_watching_switches_before_the_script():
+    from labkit.magics.values import split_run_words
+
+    options, script = split_run_words(["--dashboard", "--ranks", "0,2", "--background", "train.py", "--dashboard"])
+    assert options["--dashboard"] == "on" and options["--background"] == "on" and options["--instruments"] is None
+    assert options["--ranks"] == "0,2"
+    assert script == ["train.py", "--dashboard"]  # after the script, its own arguments
+    cell = cell_parser().parse_args(["--instruments", "--ranks", "1"])
+    assert cell.instruments and not cell.dashboard and not cell.background and cell.ranks == [1]
