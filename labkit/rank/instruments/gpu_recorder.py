@@ -218,7 +218,7 @@ class CudaStepRecorder:
 
     # -- fed by TimedGroup --------------------------------------------------
 
-    def issued(self, device_type: str):
+    def issued(self, device_type: str, kind: str | None = None, nbytes: int = 0):
         if device_type != "cuda" or self.paused or self._step is None:
             return None
         return _event()

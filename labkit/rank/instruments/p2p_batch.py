@@ -86,7 +86,7 @@ class P2PBatch:
         torch_internals.start_coalescing(inner, self.device)
         try:
             for kind, nbytes, call, tensors, args, kwargs, _ in kept:
-                started.append(group.begin_operation(kind, tensors))
+                started.append(group.begin_operation(kind, tensors, nbytes))
                 getattr(inner, call)(tensors, *args, **kwargs)
         finally:
             work = torch_internals.end_coalescing(inner, self.device)

@@ -13,7 +13,8 @@
   finish during backward add nothing here; the last bucket the step waits for
   does;
 - ``comm`` and ``bytes``: for each collective kind, the time from issue to
-  completion (overlapped or not) and the bytes, from the mesh's ``TimedGroup``s;
+  completion (overlapped or not) and the bytes issued in the step, from the
+  mesh's ``TimedGroup``s;
 - ``cpu``: the main thread's CPU time alone. On a loaded machine the run delay
   in ``compute`` is mostly the wait for a core after each collective, alike on
   every rank; straggler scores compare this instead;
@@ -101,14 +102,19 @@ class StepRecorder:
         self.timeline: deque = deque(maxlen=TIMELINE_STEPS)
         self._step: tuple[int, float, float] | None = None  # (step, began, busy then) of the step under way
         self._issued = self._completed = 0
+        self._sent: dict[str, int] = {}  # bytes issued in the step under way, by kind
         self._wall_offset = time.time() - time.perf_counter()
 
     # -- fed by TimedGroup (any thread) -------------------------------------
 
     paused = False  # True while labkit's own bookkeeping talks (progress lines): not the model's traffic
 
-    def issued(self, device_type: str = "cpu") -> float:
-        """A collective is being issued: note the main thread's busy time; return the issue time."""
+    def issued(self, device_type: str = "cpu", kind: str | None = None, nbytes: int = 0) -> float:
+        """A collective is being issued: its bytes count in the step under way (at issue, not at completion:
+        a completion that lands late on a loaded machine must not move them to the next step); note the main
+        thread's busy time; return the issue time."""
+        if kind is not None and not self.paused:
+            self._sent[kind] = self._sent.get(kind, 0) + nbytes
         self._issued += 1
         now = time.perf_counter()
         self._samples.append((now, self.clock.busy()))
@@ -171,6 +177,7 @@ class StepRecorder:
     def begin_step(self, step: int) -> None:
         now = time.perf_counter()
         self._events.clear()  # collectives that completed before the step are not its own
+        self._sent = {}  # nor are the bytes of those issued before it
         self._step = (step, now, self.clock.busy())
         self._cpu_began = self.clock.cpu()
         self._samples.clear()
@@ -187,10 +194,9 @@ class StepRecorder:
         while self._events:
             events.append(self._events.popleft())
         comm: dict[str, float] = {}
-        sent: dict[str, int] = {}
         for kind, nbytes, issued, completed in events:
             comm[kind] = comm.get(kind, 0.0) + (completed - issued)
-            sent[kind] = sent.get(kind, 0) + nbytes
+        sent, self._sent = self._sent, {}
         row: StepRow = {
             "step": step,
             "rank": self.rank,
@@ -239,8 +245,11 @@ class Publisher:
     of the newest rows with a sequence number; the notebook merges by step.
     """
 
-    def __init__(self, recorder: StepRecorder, interval: float = 0.25, window: int = 64) -> None:
+    def __init__(self, recorder: StepRecorder, interval: float = 0.25, window: int = 64, memory=None) -> None:
+        """``memory``: a function giving what the rank holds now (``MemoryBytes``, or None while unknown),
+        sent with each window."""
         self.recorder = recorder
+        self.memory = memory
         self.interval = interval
         self.window = window
         self.sequence = 0
@@ -258,7 +267,10 @@ class Publisher:
         self._last = now
         self.sequence += 1
         try:
-            self._publish({"labkit_rows": {"rank": self.recorder.rank, "seq": self.sequence,
-                                           "rows": self.recorder.newest(self.window)}})
+            window = {"rank": self.recorder.rank, "seq": self.sequence, "rows": self.recorder.newest(self.window)}
+            held = self.memory() if self.memory is not None else None
+            if held is not None:
+                window["memory"] = held
+            self._publish({"labkit_rows": window})
         except Exception:  # outside an ipyparallel request (torchrun): nobody listens
             self._publish = None

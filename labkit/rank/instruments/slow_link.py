@@ -48,7 +48,7 @@ class QuietRecorder:
     paused = False
     quiet = True  # an instrumented mesh that shares the group takes it over (timed_group.instrument_mesh)
 
-    def issued(self, device_type: str = "cpu"):
+    def issued(self, device_type: str = "cpu", kind: str | None = None, nbytes: int = 0):
         return None
 
     def completed(self, kind: str, nbytes: int, issued) -> None:

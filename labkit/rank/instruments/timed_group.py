@@ -108,7 +108,7 @@ class TimedWork(dist.Work):
 class TimedGroup(dist.ProcessGroup):
     """A process group that forwards every operation to ``inner`` and reports it to ``recorder``.
 
-    For each operation: ``token = recorder.issued(device_type)`` when it is
+    For each operation: ``token = recorder.issued(device_type, kind, nbytes)`` when it is
     issued, ``recorder.completed(kind, nbytes, token)`` when it completes (from
     the work's completion callback, or after ``wait`` for send/recv); waits go
     through ``recorder.waiting()``. ``instruments.StepRecorder`` keeps CPU
@@ -194,13 +194,14 @@ class TimedGroup(dist.ProcessGroup):
             if kind in _POINT_TO_POINT:
                 return batch.keep(kind, nbytes, call, tensors, args, kwargs)
             batch.post()  # what was kept goes first, in the order it was given
-        token, sequence = self.begin_operation(kind, tensors)
+        token, sequence = self.begin_operation(kind, tensors, nbytes)
         work = getattr(inner, call)(tensors, *args, **kwargs) if isinstance(call, str) else call(inner, tensors)
         return self.answer_for(kind, nbytes, token, sequence, work, tensors)
 
-    def begin_operation(self, kind: str, tensors) -> tuple:
-        """An operation is being issued: tell the recorder, count it; (recorder's token, sequence number)."""
-        token = self.recorder.issued(_device_type(tensors))
+    def begin_operation(self, kind: str, tensors, nbytes: int = 0) -> tuple:
+        """An operation is being issued: tell the recorder (what and how many bytes: they belong to the step
+        that issues them), count it; (recorder's token, sequence number)."""
+        token = self.recorder.issued(_device_type(tensors), kind, nbytes)
         self.issued += 1
         if kind not in _POINT_TO_POINT:
             self.collectives += 1
