@@ -25,6 +25,7 @@ import time
 import ipywidgets as widgets
 from IPython.display import display
 
+from labkit.units import format_bytes
 from labkit.views.dashboard_figure import (  # noqa: F401 - step_range and the constants are the dashboard's API
     DEFAULT_SMOOTHING,
     FIRST_STEPS,
@@ -173,7 +174,9 @@ class Dashboard:
         if step is None:
             return "waiting for the first step"
         stragglers = f"; straggler: rank {', '.join(map(str, flagged))}" if flagged else ""
-        return f"step {step + 1}, {self.table.total_throughput():,.0f} samples/s in total{stragglers}"
+        held = self.table.largest_memory()
+        memory = f", at most {format_bytes(held)} per rank" if held else ""
+        return f"step {step + 1}, {self.table.total_throughput():,.0f} samples/s in total{memory}{stragglers}"
 
     @staticmethod
     def _status_html(flagged: list[int], text: str) -> str:

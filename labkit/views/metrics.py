@@ -24,7 +24,7 @@ from collections.abc import Hashable, Mapping
 from typing import Literal, overload
 
 from labkit.views.stragglers import DEFAULT_THRESHOLD, DEFAULT_WINDOW, StragglerDetector, straggler_scores
-from labkit.wire.schema import StepRow, StepWindow
+from labkit.wire.schema import MemoryBytes, StepRow, StepWindow, total_bytes
 
 __all__ = ["DEFAULT_THRESHOLD", "MetricsTable", "StepField", "StepMaybeNumber", "StepNumber", "straggler_scores"]
 
@@ -59,6 +59,7 @@ class MetricsTable:
         self.threshold = threshold
         self.window = window
         self.rows: dict[int, dict[int, StepRow]] = {rank: {} for rank in range(world_size)}
+        self.memory: dict[int, MemoryBytes] = {}  # what each rank holds, where its windows say (a watched loop)
         self._sequence: dict[int, int] = {}
         self.detector = StragglerDetector(threshold, window)
         self._groups: dict[Hashable, list[int]] = defaultdict(list)
@@ -76,6 +77,8 @@ class MetricsTable:
         if sequence <= self._sequence.get(rank, 0):
             return 0
         self._sequence[rank] = sequence
+        if "memory" in message:
+            self.memory[rank] = message["memory"]
         known = self.rows.setdefault(rank, {})
         new = 0
         for row in message["rows"]:
@@ -95,6 +98,10 @@ class MetricsTable:
             self.rows.setdefault(row["rank"], {})[row["step"]] = row
 
     # -- series -------------------------------------------------------------
+
+    def largest_memory(self) -> int | None:
+        """The most bytes of parameters, gradients and optimizer state any rank said it holds (None: unsaid)."""
+        return max((total_bytes(held) for held in self.memory.values()), default=None)
 
     def ranks(self) -> list[int]:
         return sorted(self.rows)

@@ -67,6 +67,7 @@ class StepWindow(TypedDict):
     rank: int
     seq: int  # counts the windows this rank published: an older one arriving late is dropped
     rows: list[StepRow]
+    memory: NotRequired["MemoryBytes"]  # what the rank holds now, where its publisher knows (a watched loop)
 
 
 class TimelineStep(TypedDict):

@@ -90,6 +90,8 @@ def test_a_straggler_in_a_script_is_flagged_live_and_a_stop_ends_it_at_a_step_bo
         flagged_at = min(step for rank, step, up in run.table.flag_events() if rank == 2 and up)
         assert 0 <= flagged_at - first_slow <= 10
         wait_for(lambda: "samples/s" in run.dashboard.header.value, "throughput on the dashboard")
+        # What the largest rank holds: the trainer's 705 float32 parameters and their gradients (SGD keeps none).
+        wait_for(lambda: "at most 5.6 kB per rank" in run.dashboard.header.value, "memory on the dashboard")
     finally:
         lab.slow(2, None)
         run.stop()

@@ -34,6 +34,7 @@ clocks, never tensors' values.
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import Any
 
 import torch
@@ -42,6 +43,9 @@ from labkit.rank.control import ControlChannel
 from labkit.rank.instruments.recorder import Publisher
 from labkit.rank.instruments.run_instruments import STOP_CHECK_EVERY, _agree_to_stop
 from labkit.rank.memory import memory_bytes
+
+
+MEMORY_EVERY = 2.0  # seconds between two counts of what the loop holds, for the dashboard
 
 
 class StopRequested(KeyboardInterrupt):
@@ -79,7 +83,7 @@ class LoopWatch:
         self.runtime = runtime
         self.recorder = runtime.recorder
         self.stoppable = stoppable
-        self.publisher = Publisher(self.recorder)
+        self.publisher = Publisher(self.recorder, memory=self._held)
         device = runtime.device
         delay = runtime.link.stream_delay(device) if device.type == "cuda" else None
         self.control = ControlChannel(runtime.store, runtime.rank, stream_delay=delay)
@@ -98,6 +102,8 @@ class LoopWatch:
         self._finder: Any = None  # the global forward hook that looks for the data-parallel module
         self._notes: list[str] = []
         self.stopped = False  # a stop the notebook asked for was raised in the loop
+        self._held_at = float("-inf")  # when what the loop holds was last counted
+        self._held_bytes: dict | None = None
 
     # -- the run ------------------------------------------------------------
 
@@ -124,17 +130,29 @@ class LoopWatch:
         self.recorder.finish()
         self.publisher.maybe_publish(force=True)
 
+    def _held(self) -> dict | None:
+        """What the loop holds now, for the dashboard: counted at most every ``MEMORY_EVERY`` seconds (it walks
+        every parameter and optimizer state); None until the data-parallel module is found."""
+        now = time.monotonic()
+        if self.module is not None and now >= self._held_at + MEMORY_EVERY:
+            self._held_at, self._held_bytes = now, self.memory()
+        return self._held_bytes
+
+    def memory(self) -> dict:
+        """Parameters and gradients of the data-parallel module (local shards), and every stepped optimizer's state."""
+        held = memory_bytes(self.module, None) if self.module is not None else {"params": 0, "grads": 0,
+                                                                               "optimizer": 0}
+        for optimizer in self.optimizers.values():
+            held["optimizer"] += memory_bytes(torch.nn.Module(), optimizer)["optimizer"]
+        return held
+
     def result(self) -> dict:  # a LoopResult without its "value" (the work's, added by the runtime)
         """What the notebook's report is made of: rows, timeline, memory, and what could not be seen."""
         notes = list(self._notes)
         if self.module is None and self.steps_done:
             notes.append("no DDP or FSDP module ran a forward: steps are counted, samples are not")
-        memory = memory_bytes(self.module, None) if self.module is not None else {"params": 0, "grads": 0,
-                                                                                 "optimizer": 0}
-        for optimizer in self.optimizers.values():
-            memory["optimizer"] += memory_bytes(torch.nn.Module(), optimizer)["optimizer"]
         return {"rank": self.runtime.rank, "rows": list(self.recorder.rows), "timeline": list(self.recorder.timeline),
-                "memory": memory, "steps_done": self.steps_done, "notes": notes,
+                "memory": self.memory(), "steps_done": self.steps_done, "notes": notes,
                 "found": type(self.module).__name__ if self.module is not None else None, "stopped": self.stopped}
 
     # -- steps ----------------------------------------------------------------

@@ -232,3 +232,13 @@ def test_progress_goes_to_the_status_line():
     dashboard = Dashboard(MetricsTable(2, global_batch=16), "ddp")
     dashboard.set_progress("[rank 0] step   10/200  loss 1.2345")
     assert "step   10/200" in dashboard.status_line.value
+
+
+def test_a_watched_loop_shows_the_most_a_rank_holds():
+    table = MetricsTable(2, None)
+    dashboard = Dashboard(table, "train.py")
+    table.merge({"rank": 0, "seq": 1, "rows": [row(0, step) for step in range(3)],
+                 "memory": {"params": 2_000_000, "grads": 2_000_000, "optimizer": 4_000_000}})
+    table.merge({"rank": 1, "seq": 1, "rows": [row(1, step) for step in range(3)]})
+    assert dashboard.update(force=True)
+    assert "at most 8.0 MB per rank" in dashboard.header.value and "samples/s" in dashboard.header.value

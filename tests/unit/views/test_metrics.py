@@ -148,3 +148,14 @@ def test_bytes_per_rank_show_who_carries_the_traffic():
         table.merge_rows([row(0, step, sent={"send": 3000, "recv": 3000}), row(1, step, sent={"send": 1000,
                           "recv": 1000}), row(2, step, sent={"send": 1000, "recv": 1000})])
     assert table.bytes_per_rank() == {0: 6000, 1: 2000, 2: 2000}
+
+
+def test_a_loop_without_a_global_batch_counts_its_samples_and_says_its_memory():
+    table = MetricsTable(2, global_batch=None)
+    assert table.largest_memory() is None
+    table.merge({"rank": 0, "seq": 1, "rows": [row(0, step) for step in range(4)],
+                 "memory": {"params": 100, "grads": 100, "optimizer": 200}})
+    table.merge({"rank": 1, "seq": 1, "rows": [row(1, step) for step in range(4)],
+                 "memory": {"params": 300, "grads": 0, "optimizer": 0}})
+    assert table.largest_memory() == 400
+    assert table.total_throughput() == pytest.approx(16 / 0.03)  # 8 samples on each rank per 30 ms step
