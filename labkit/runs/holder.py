@@ -36,18 +36,32 @@ class RunHolder(Protocol):
         ...
 
 
+STOP_GRACE_SECONDS = 15.0  # at least, for the ranks to reach a step boundary after an interrupt
+
+
 class StoppableRun:
     """What a run on the ranks in the notebook's background shares (a training run, a watched script): a stop
     asked for at a step boundary, and the wait for its report. A subclass sets ``session``, ``_done``
     (a ``threading.Event``), ``error`` and ``report``, and says what is still going in ``_going()``."""
 
     session: Any
+    table: Any  # the run's MetricsTable: its step times size the grace a stop gets
     _done: threading.Event
     error: BaseException | None
     report: Any
 
     def _going(self) -> str:
         return "the run"
+
+    def _wind_down(self) -> float:
+        """The kernel was interrupted: ask for a stop at a step boundary first; the seconds to give the ranks
+        before they are interrupted (none when their store cannot be reached: rank 0 frozen or gone)."""
+        try:
+            self.stop()
+        except LabError:
+            return 0.0
+        times = list(self.table.step_times().values())
+        return max(STOP_GRACE_SECONDS, 10 * (times[-1] if times else 0.0))
 
     def stop(self) -> None:
         """Ask every rank to stop after the step it is in (they agree on which)."""

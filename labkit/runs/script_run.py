@@ -33,8 +33,6 @@ if TYPE_CHECKING:
     from labkit.session import Session
     from labkit.views.dashboard import Dashboard
 
-STOP_GRACE_SECONDS = 15.0
-
 
 def run_script(session: Session, path, args: tuple, ranks=None, timeout: float | None = None,
                instruments: bool = False, dashboard: bool = False, background: bool = False):
@@ -120,15 +118,6 @@ class WatchedRun(StoppableRun):
             self.table.merge(data.get("labkit_rows"))
         if self.dashboard is not None:
             self.dashboard.update()
-
-    def _wind_down(self) -> float:
-        """The kernel was interrupted: ask for a stop at a step boundary first, then give the ranks time."""
-        try:
-            self.stop()
-        except LabError:
-            return 0.0
-        times = list(self.table.step_times().values())
-        return max(STOP_GRACE_SECONDS, 10 * (times[-1] if times else 0.0))
 
     def _finish(self) -> None:
         work = self._work

@@ -40,7 +40,6 @@ if TYPE_CHECKING:
     from labkit.session import Session  # a layer above the runs it drives
     from labkit.views.dashboard import Dashboard  # loads matplotlib and ipywidgets: only when a run has one
 
-STOP_GRACE_SECONDS = 15.0
 UI_EVENTS_PER_TICK = 10  # widget messages handled between two looks at the ranks (a click is one)
 STOP_HINT = "interrupt the kernel (■) to stop at a step boundary"
 # jupyter-ui-poll's ui_events: a context in which poll(n) handles up to n waiting widget messages.
@@ -140,14 +139,6 @@ class TrainingRun(StoppableRun):
         if self._ui_poll is not None:
             # Here, on the waiting thread after the redraw, a click never lands in the middle of one.
             self._ui_poll(UI_EVENTS_PER_TICK)
-
-    def _wind_down(self) -> float:
-        try:
-            self.stop()
-        except LabError:  # the ranks' store is unreachable (rank 0 frozen or gone): interrupt them at once
-            return 0.0
-        times = list(self.table.step_times().values())
-        return max(STOP_GRACE_SECONDS, 10 * (times[-1] if times else 0.0))
 
     def _finish(self) -> None:
         try:

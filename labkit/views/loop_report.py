@@ -15,6 +15,7 @@ from typing import Literal
 
 from labkit.units import format_bytes
 from labkit.views.metrics import MetricsTable
+from labkit.views.train_report import bytes_per_step
 from labkit.wire.schema import LoopResult, StepRow, TimelineStep, total_bytes
 
 
@@ -83,13 +84,7 @@ class LoopReport:
     @property
     def comm_bytes_per_step(self) -> dict[str, int]:
         """Bytes through collectives in one step, by kind, summed over ranks (mean over steady steps)."""
-        total: dict[str, float] = {}
-        for result in self.results:
-            rows = self._steady(result)
-            for row in rows:
-                for kind, size in row["bytes"].items():
-                    total[kind] = total.get(kind, 0.0) + size / len(rows)
-        return {kind: int(round(size)) for kind, size in sorted(total.items())}
+        return bytes_per_step(self._steady(result) for result in self.results)
 
     @property
     def losses(self) -> list[float | None]:

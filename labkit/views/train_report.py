@@ -23,6 +23,16 @@ from labkit.wire.schema import total_bytes as _total
 from labkit.zoo.catalog import model
 
 
+def bytes_per_step(rows_per_rank) -> dict[str, int]:
+    """Bytes through collectives in one step, by kind: each rank's mean over its rows, summed over ranks."""
+    total: dict[str, float] = {}
+    for rows in rows_per_rank:
+        for row in rows:
+            for kind, size in row["bytes"].items():
+                total[kind] = total.get(kind, 0.0) + size / len(rows)
+    return {kind: int(round(size)) for kind, size in sorted(total.items())}
+
+
 @dataclass
 class TrainReport:
     config: TrainConfig
@@ -67,13 +77,7 @@ class TrainReport:
     @property
     def comm_bytes_per_step(self) -> dict[str, int]:
         """Bytes through collectives in one step, by kind, summed over ranks (mean over steps)."""
-        total: dict[str, float] = {}
-        for result in self.results:
-            rows = self._steady_rows(result)
-            for row in rows:
-                for kind, size in row["bytes"].items():
-                    total[kind] = total.get(kind, 0) + size / len(rows)
-        return {kind: int(round(size)) for kind, size in sorted(total.items())}
+        return bytes_per_step(self._steady_rows(result) for result in self.results)
 
     def per_rank_means(self, field: StepNumber) -> list[float]:
         """Mean of a row field (compute, exposed_comm, seconds) per rank, over steady steps."""
