@@ -37,6 +37,11 @@ def step(samples: int | None = None, tokens: int | None = None) -> Iterator[None
 
     ``samples``, ``tokens``: this rank's, when the batch the data-parallel module sees does not say them.
     From the first ``labkit.step`` on, optimizer steps no longer end steps."""
+    for name, count in (("samples", samples), ("tokens", tokens)):
+        # Checked everywhere, under torchrun too, so a script fails the same way in and out of the lab.
+        if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 0):
+            raise ValueError(f"labkit.step({name}={count!r}): give this rank's {name} in the step as a whole "
+                             f"number, 0 or more, e.g. labkit.step({name}=len(batch))")
     watch = _watch()
     if watch is None:
         yield
