@@ -2,7 +2,8 @@
 
     python -m labkit tour [NOTEBOOK]    execute a notebook, print every cell's text output
     python -m labkit lab [NOTEBOOK]     open JupyterLab (loopback only) on a notebook
-    python -m labkit join TOKEN         on another machine: join a lab as its next rank (%lab join-command)
+    python -m labkit join TOKEN         on another machine: join a lab as its next rank (%lab join-command),
+                                        or as a site over one HTTPS line (%lab join-command --https)
 """
 
 from __future__ import annotations
@@ -84,20 +85,39 @@ def main(argv=None) -> int:
     join.add_argument("token", help="the token that %%lab join-command printed")
     join.add_argument("--interface", help="network interface for gloo/nccl here (default: the one that reaches "
                                           "the lab)")
+    join.add_argument("--ranks", type=int, help="an HTTPS site: how many ranks to run here (default: one per GPU, "
+                                                "else one)")
+    join.add_argument("--name", help="an HTTPS site: its name in the lab (default: this machine's host name)")
+    join.add_argument("--cafile", help="an HTTPS site whose lab has a certificate of its own: the CA bundle to "
+                                       "check it against (default: this machine's trust store)")
     options = parser.parse_args(argv)
     if options.command == "join":
-        from labkit.cluster.join import run_joined_engine
-        from labkit.spec.errors import LabConfigError
-
-        try:
-            return run_joined_engine(options.token, options.interface)
-        except LabConfigError as error:
-            parser.error(str(error))
+        return _join(parser, options)
     if not options.notebook.exists():
         parser.error(f"no notebook at {options.notebook}")
     if options.command == "tour":
         return run_tour(options.notebook, options.cell_timeout)
     return open_lab(options.notebook)
+
+
+def _join(parser: argparse.ArgumentParser, options) -> int:
+    from labkit.line.token import is_line_token
+    from labkit.spec.errors import LabConfigError
+
+    try:
+        if is_line_token(options.token):
+            from labkit.cluster.site_agent import run_site
+
+            return run_site(options.token, options.ranks, options.name, options.cafile)
+        if options.ranks is not None or options.name is not None or options.cafile is not None:
+            raise LabConfigError("--ranks, --name and --cafile are for a site that joins over HTTPS; this token "
+                                 "joins one engine as the lab's next rank")
+        from labkit.cluster.join import run_joined_engine
+
+        return run_joined_engine(options.token, options.interface)
+    except LabConfigError as error:
+        parser.error(str(error))
+    return 2
 
 
 if __name__ == "__main__":

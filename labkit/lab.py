@@ -19,6 +19,7 @@ from labkit.runs.push import push_values, run_on
 from labkit.runs.status import LabStatus, collect_status
 from labkit.runs.launch import launch_training
 from labkit.session import Session
+from labkit.sites import LabSites, Sites
 from labkit.spec.call_arguments import check_seed
 from labkit.spec.errors import LabConfigError
 from labkit.spec.mesh import MeshError, MeshSpec
@@ -31,7 +32,7 @@ DEFAULT_START_TIMEOUT = 60.0
 DEFAULT_INTERRUPT_GRACE = 5.0
 
 
-class Lab:
+class Lab(LabSites):
     """A set of live torch.distributed ranks on ipyparallel engines.
 
     ranks: number of ranks (processes). backend: 'gloo' or 'nccl' (default: nccl when GPUs are visible, one rank
@@ -48,7 +49,8 @@ class Lab:
     ``engines``, ...). controller_address: the address of this machine that the ranks reach (default loopback:
     one machine). interface: the network interface gloo/nccl use on every rank (default: the one that reaches
     the controller). ranks_per_host: how many ranks a host may hold (nccl: its GPUs). encrypt: CurveZMQ on every
-    ipyparallel connection. Machines join with the command ``join_command()`` prints.
+    ipyparallel connection. Machines join with the command ``join_command()`` prints; behind NAT, over one
+    outbound HTTPS line, as sites with ranks of their own: ``join_command(https=True)``, ``site(name)``.
     """
 
     def __init__(
@@ -84,6 +86,7 @@ class Lab:
             launcher=chosen,
             encrypt=encrypt,
         )
+        self._sites: Sites | None = Sites(self.session)  # machines that join over HTTPS (labkit.sites)
 
     # -- identity -----------------------------------------------------------
 
@@ -170,16 +173,6 @@ class Lab:
 
     def __exit__(self, *exc_info) -> None:
         self.stop()
-
-    def join_command(self, python: str = "python") -> str:
-        """The one command that, run on another machine with labkit installed, starts an engine there
-        that joins this lab as its next rank at the next ``start()`` or ``heal()``.
-
-        It carries the lab's key: whoever has it can run code in the lab. A lab on loopback (the
-        default) can be joined from this machine only: give ``controller_address`` for others."""
-        from labkit.cluster.join import join_command
-
-        return join_command(self.session.require_running(), python)
 
     def seed(self, value: int, same: bool = False) -> list[int]:
         """Seed torch, numpy and ``random`` on every rank: ``value + rank``, or ``value`` with ``same``.

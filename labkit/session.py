@@ -12,8 +12,7 @@ changes them. Everything the notebook does with ranks goes through it:
   while it goes, after ``claim`` made the ranks its own (a ``runs.holder.RunHolder``).
 
 ``Lab`` is a thin facade over a session; the features in ``labkit.runs`` take a
-session. Nothing here imports torch: the ranks' code is reached through
-``labkit.wire.entry``.
+session. No torch here: the ranks' code is reached through ``labkit.wire.entry``.
 """
 
 from __future__ import annotations
@@ -66,8 +65,11 @@ class Session:
     """The ranks of one lab and everything that must change together with them."""
 
     def __init__(self, plan: RankPlan, timeout: float, start_timeout: float, interrupt_grace: float,
-                 launcher: LauncherChoice | None = None, encrypt: bool = False) -> None:
+                 launcher: LauncherChoice | None = None, encrypt: bool = False,
+                 make_cluster: Callable[[], RankCluster] | None = None) -> None:
         self.plan = plan
+        self.make_cluster = make_cluster  # a site's ranks (cluster.site_cluster); None: a controller of its own
+        self.on_stop: list[Callable[[], None]] = []  # what ends with the ranks (the lab's line, its sites)
         self.launcher = launcher or choose_launcher()
         self.encrypt = encrypt
         self.timeout = timeout
@@ -110,8 +112,8 @@ class Session:
         began = time.monotonic()
         self.start_phases = []
         self.notebook = NotebookProcess()  # the environment the ranks start with: changes are counted from here
-        cluster = RankCluster(self.plan, start_timeout=self.start_timeout, launcher=self.launcher,
-                              encrypt=self.encrypt)
+        cluster = self.make_cluster() if self.make_cluster else RankCluster(
+            self.plan, start_timeout=self.start_timeout, launcher=self.launcher, encrypt=self.encrypt)
         cluster.start()
         if cluster.world_size == 0:
             cluster.stop()
@@ -140,6 +142,8 @@ class Session:
             holder.stop()  # let a background run end at a step boundary before the ranks go
             holder.finished(10)
         self._holder = None  # whatever held the ranks, they are gone
+        while self.on_stop:
+            self.on_stop.pop()()
         cluster, self.cluster = self.cluster, None
         if cluster is not None:
             cluster.stop()
@@ -237,12 +241,9 @@ class Session:
         return cluster
 
     def heal(self) -> str | None:
-        """Replace every rank that cannot work (a frozen one is killed first), let waiting engines
-        join, rebuild the group; say so.
-
-        The other ranks keep their namespaces. A lost rank that joined from another machine
-        cannot be restarted from here: the lab drops it and renumbers the ranks after it.
-        Returns the note it printed, None when all was well."""
+        """Replace every rank that cannot work (a frozen one is killed first), let waiting engines join,
+        rebuild the group; say so. The other ranks keep their namespaces. A lost rank that joined from
+        another machine is dropped, the ranks after it renumbered. The note printed, or None."""
         cluster = self.require_running()
         problem = cluster.infrastructure_problem()
         if problem:
@@ -305,9 +306,7 @@ class Session:
                 timeout: float | None = None, live: bool | None = None,
                 show_values: bool = False) -> dict[int, RankReport]:
         """User work on ``ranks`` (None: every rank) within ``timeout``: every rank's report (by rank), or
-        one raised failure.
-
-        The ranks are healed first and only then targeted: a heal may drop a lost rank that joined
+        one raised failure. The ranks are healed first and only then targeted: a heal may drop a lost rank that joined
         from another machine and renumber the others, so "every rank" means every rank after it."""
         limit = self.limit(timeout)  # refused before anything happens
         before = self.world_size

@@ -118,6 +118,21 @@ def positive_seconds(name: str, value) -> float:
     return float(value)
 
 
+_SPAN = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(s|m|min|h|d)?\s*$", re.IGNORECASE)
+_SPAN_UNITS = {None: 1.0, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def parse_seconds(name: str, value) -> float:
+    """A span of time as people write it: 90 (seconds), ``"90s"``, ``"30m"``, ``"1h"``, ``"2d"``; above zero,
+    at most ``MAX_SECONDS``."""
+    if isinstance(value, str):
+        found = _SPAN.match(value)
+        if found is None:
+            raise ValueError(f"{name} is a span of time such as 3600, '90s', '30m', '1h' or '2d', got {value!r}")
+        value = float(found.group(1)) * _SPAN_UNITS[found.group(2) and found.group(2).lower()]
+    return positive_seconds(name, value)
+
+
 _RATE = re.compile(r"^\s*(-?\d+(?:\.\d*)?|-?\.\d+)\s*([kmgt]?)(i?)(bits?|bytes?|b)\s*(/\s*s|ps)?\s*$", re.IGNORECASE)
 _PREFIX = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
 _BINARY_PREFIX = {"k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}

@@ -23,6 +23,12 @@ from labkit.wire import entry as rank_entry
 from labkit.wire.rank_settings import RankSettings
 
 JOINED = "joined"
+SITE_PREFIX = "site:"  # a site's engine, "site:<name>": it came over the site's line (cluster.site_agent)
+
+
+def site_of(slot: str) -> str | None:
+    """The site an engine came from, None for any other engine."""
+    return slot[len(SITE_PREFIX):] if slot.startswith(SITE_PREFIX) else None
 
 
 @dataclass
@@ -69,10 +75,16 @@ def new_engines(cluster) -> list[int]:
 
 
 def describe(cluster, engines) -> dict[int, dict]:
+    """What each engine says it is, asked once: the answer is kept (``cluster.descriptions``, which a lab's
+    sites share), so the engines of a site, never a rank of the lab itself, are not asked at every heal."""
     found = {}
     for engine in engines:
+        if engine in cluster.descriptions:
+            found[engine] = cluster.descriptions[engine]
+            continue
         try:
-            found[engine] = cluster.client[engine].apply_sync(rank_entry.describe_engine)
+            found[engine] = cluster.descriptions[engine] = cluster.client[engine].apply_sync(
+                rank_entry.describe_engine)
         except Exception:  # an engine that died after registering
             cluster.retired_engines.add(engine)
     return found
@@ -85,7 +97,8 @@ def wait_for_launched(cluster, count: int, deadline: float) -> list[tuple[int, d
     while len(found) < count:
         new = [engine for engine in new_engines(cluster) if engine not in seen]
         seen.update(new)
-        found += [(engine, info) for engine, info in describe(cluster, new).items() if info["slot"] != JOINED]
+        found += [(engine, info) for engine, info in describe(cluster, new).items()
+                  if info["slot"] != JOINED and site_of(info["slot"]) is None]
         if new:
             continue
         dead = health.launch_failures(cluster)

@@ -62,6 +62,7 @@ class RankCluster:
         self.client: ipyparallel.Client | None = None
         self.records: dict[int, RankRecord] = {}
         self.retired_engines: set[int] = set()  # engines of replaced or dropped ranks, maybe not yet unregistered
+        self.descriptions: dict[int, dict] = {}  # engine -> what it said it is (engines.describe asks once)
         self.capabilities: dict = {}
         self._settings: dict[int, RankSettings] = {}  # rank -> what it was told when it became one
         self._connection: dict | None = None  # the controller's engine connection info
@@ -395,4 +396,5 @@ class RankCluster:
             self.workdir = None
         self.records.clear()
         self.retired_engines.clear()
+        self.descriptions.clear()
         self._connection = None

@@ -22,7 +22,9 @@ SUMMARIES = {  # in the order %lab --help lists them
     "heal": "replace what died and go on from the newest checkpoint (lab.heal)",
     "tasks": "FN(item) for every item of ITEMS, each on whichever rank is idle (lab.tasks)",
     "ensemble": "members trained apart on the task queue, scored against their combination (lab.ensemble)",
-    "join-command": "the line that, run on another machine with labkit, makes its engine join as the next rank",
+    "join-command": "the line that, run on another machine with labkit, makes its engine join as the next rank; "
+                    "--https: the machine joins as a site over one outbound HTTPS line, behind NAT (lab.join_command)",
+    "sites": "the machines that joined over the lab's HTTPS line: their engines, line and bytes (lab.sites)",
     "status": "one row per rank: state, host, pid, engine, device, threads, group, coordinate (also %lab alone)",
     "timeout": "the default time limit for each cell, in seconds",
     "restart": "fresh processes with the same settings (lab.restart)",

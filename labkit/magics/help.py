@@ -10,7 +10,7 @@ from __future__ import annotations
 from labkit.magics.commands import CELL, CELL_SUMMARY, SUMMARIES
 from labkit.magics.parsing import CommandParser, command_parser
 
-BARE = ("heal", "join-command", "status", "restart", "stop")  # commands that take no words
+BARE = ("heal", "sites", "status", "restart", "stop")  # commands that take no words
 
 
 def described_parsers() -> dict[str, CommandParser]:

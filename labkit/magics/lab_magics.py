@@ -21,7 +21,7 @@ from labkit.lab import Lab
 from labkit.magics.commands import CELL
 from labkit.magics.help import described_parsers, overview
 from labkit.magics.link import link_command
-from labkit.magics.network import join_command_line, network_settings
+from labkit.magics.network import join_command_line, join_parser, network_settings
 from labkit.magics.parsers import bench_parser, cell_parser, push_parser, start_parser
 from labkit.magics.parsing import HELP_WORDS, CommandParser, HelpShown, asks_for_help, unknown_word
 from labkit.magics.queue import ensemble_command, ensemble_parser, tasks_command, tasks_parser
@@ -34,7 +34,8 @@ if TYPE_CHECKING:
 
 # Commands whose parser reads their words (the others' parsers only describe them, for --help).
 _OWN_PARSERS: dict[str, Callable[[], CommandParser]] = {
-    "start": start_parser, "train": train_parser, "bench": bench_parser, "push": push_parser, CELL: cell_parser}
+    "start": start_parser, "train": train_parser, "bench": bench_parser, "push": push_parser, CELL: cell_parser,
+    "join-command": join_parser}
 
 
 @magics_class
@@ -86,9 +87,10 @@ class LabMagics(Magics):
         %lab tasks FN ITEMS [--timeout S]   FN(item) for each item, on whichever rank is idle
         %lab ensemble [--model gpt] [--members 4] [--vary seed|lr] [--combine mean|vote]
         %lab start N --launcher mpi|ssh|slurm [--launcher-option K=V] [--controller-address A] [--encrypt]
-        %lab join-command      the line that makes another machine's engine join as the next rank
+        %lab join-command [--https]   the line that makes another machine join: as the next rank, or as a site
+        %lab sites      the machines that joined over HTTPS (sites): their engines and line
         %lab status | %lab timeout S | %lab restart | %lab stop
-        %%lab [--ranks 0,2] [--timeout S] [--dashboard]   run the cell on the ranks
+        %%lab [--ranks 0,2] [--site NAME] [--timeout S] [--dashboard]   run the cell on the ranks (of a site)
         %lab --help | %lab COMMAND --help      every command in one line | one command's options
         """
         if cell is not None:
@@ -118,7 +120,9 @@ class LabMagics(Magics):
             "heal": self.heal,
             "tasks": lambda words: tasks_command(self._require_lab, words, self._shell.user_ns),
             "ensemble": lambda words: ensemble_command(self._require_lab, words),
-            "join-command": lambda words: join_command_line(self._require_lab()),
+            "join-command": lambda words: join_command_line(self._require_lab(),
+                                                            self._parser("join-command").parse_args(words)),
+            "sites": lambda words: print(self._require_lab().sites),
             "status": self.status,
             "timeout": self.timeout,
             "restart": self.restart,
@@ -314,8 +318,8 @@ class LabMagics(Magics):
     # -- cells ------------------------------------------------------------
 
     def _run_cell(self, line: str, cell: str) -> Any:
-        lab = self._require_lab()
         options = self._parser(CELL).parse_args(shlex.split(line))
+        lab = self._require_lab() if options.site is None else self._require_lab().site(options.site)
         watched = dict(instruments=options.instruments, dashboard=options.dashboard, background=options.background)
         value = lab.run_cell(cell, ranks=options.ranks, timeout=options.timeout, show_values=True,
                              cell=self._shell.execution_count, **watched)

@@ -50,9 +50,11 @@ def push_parser() -> CommandParser:
 
 
 def cell_parser() -> CommandParser:
-    """``%%lab [--ranks 0,2] [--timeout S] [--instruments] [--dashboard] [--background]``: the cell magic's line."""
+    """``%%lab [--ranks 0,2] [--site NAME] [--timeout S] [--instruments] [--dashboard] [--background]``: the cell
+    magic's line."""
     cell = command_parser(CELL)
     cell.add_argument("--ranks", type=rank_list, metavar="0,2", help="run on these ranks only")
+    cell.add_argument("--site", metavar="NAME", help="on the ranks of this site (a machine that joined over HTTPS)")
     cell.add_argument("--timeout", type=seconds, metavar="S", help="limit for this cell, seconds")
     cell.add_argument("--instruments", action="store_true", help="watch the cell's loop: its report is the value")
     cell.add_argument("--dashboard", action="store_true", help="draw the cell's loop live (instruments on)")

@@ -58,7 +58,7 @@ def test_no_module_reaches_into_the_session_or_the_lab():
 
 
 def test_the_rank_side_is_the_only_one_importing_torch_at_module_level():
-    notebook_side = ["spec", "runs", "views", "cluster"]
+    notebook_side = ["spec", "runs", "views", "cluster", "line"]
     offences = []
     for folder in notebook_side:
         for path in (PACKAGE / folder).rglob("*.py"):
@@ -163,12 +163,14 @@ LAYERS = (
     ("torch_support",),  # torch's private API, pinned staging, optimizers
     ("strategies",),  # the ways of splitting the work: declarations and their rank side
     ("spec",),  # what a user asks for, checked without torch
+    ("line",),  # one outbound HTTPS line from a site to the hub: frames, sessions, TLS, tokens
     ("rank",),  # the rank's runtime, training loop and instruments
     ("loop_marks",),  # labkit.log and labkit.step: what user code tells the rank's instruments
     ("cluster",),  # engines, launchers, placement, health: the notebook's side of the ranks
     ("views",),  # tables, figures and dashboards
     ("runs",),  # work in flight: training runs, tasks, checkpoints, recovery
     ("session",),  # one lab's state
+    ("sites",),  # machines that joined over HTTPS, each a session of its own
     ("lab",),  # the public Lab object
     ("magics",),  # the %lab magics
     ("labkit", "__main__"),  # the package's front door and command line
