@@ -253,17 +253,21 @@ class Lab(LabSites):
 
         return run_script(self.session, path, args, ranks, timeout, instruments, dashboard, background)
 
-    def tasks(self, fn, items, timeout: float | None = None, retries: int | None = None, live: bool | None = None):
+    def tasks(self, fn, items, timeout: float | None = None, retries: int | None = None, live: bool | None = None,
+              sites=None):
         """Run ``fn(item)`` for every item on whichever rank is idle (a work-stealing queue).
 
         ipyparallel's load-balanced scheduler hands a rank the next task when it is idle, so a
         fast rank does more. A rank lost mid-task is replaced and its task requeued (at most
         ``retries`` times, default the number of ranks): each task completes exactly once.
-        ``timeout`` bounds each task. Returns a ``TaskResults`` (values in item order); raises
-        ``TaskFailed`` (with ``.results``) when a task raised. See ``labkit.runs.tasks``."""
+        ``timeout`` bounds each task. ``sites``: "all" or names of sites whose ranks join the pool
+        (a site cut off is left out, its tasks requeued, until its line is back). Returns a
+        ``TaskResults`` (values in item order); raises ``TaskFailed`` (with ``.results``) when a
+        task raised. See ``labkit.runs.tasks``."""
         from labkit.runs.tasks import run_tasks
 
-        return run_tasks(self.session, fn, items, timeout=timeout, retries=retries, live=live)
+        return run_tasks(self.session, fn, items, timeout=timeout, retries=retries, live=live,
+                         sites=self.site_sessions(sites))
 
     def ensemble(self, model: str = "gpt", members: int = 4, steps: int = 30, vary: str = "seed",
                  combine: str = "mean", **settings):
@@ -271,11 +275,13 @@ class Lab(LabSites):
 
         ``vary``: "seed" (own initial weights) or "lr" (learning rates spread around ``lr``);
         ``combine``: "mean" (averaged probabilities) or "vote". Settings: lr, seed, global_batch,
-        heldout_batches, optimizer, model_settings, timeout, retries. Returns an ``EnsembleReport``:
-        each member's held-out score against the ensemble's. See ``labkit.runs.ensemble``."""
+        heldout_batches, optimizer, model_settings, timeout, retries, sites (as ``tasks``: members train on
+        their ranks too). Returns an ``EnsembleReport``: each member's held-out score against the ensemble's,
+        and their weights. See ``labkit.runs.ensemble``."""
         from labkit.runs.ensemble import run_ensemble
 
-        return run_ensemble(self.session, model, members, steps, vary, combine, **settings)
+        sites = self.site_sessions(settings.pop("sites", None))
+        return run_ensemble(self.session, model, members, steps, vary, combine, sites=sites, **settings)
 
     # -- training ---------------------------------------------------------
 

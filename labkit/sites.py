@@ -187,6 +187,17 @@ class LabSites:
         view._sites = None
         return view
 
+    def site_sessions(self, sites) -> dict[str, Session]:
+        """The sessions of ``sites`` ("all", a name, or names; None: none), formed if they were not."""
+        if sites is None:
+            return {}
+        registry = self._registry()
+        names = registry.names() if sites == "all" else [sites] if isinstance(sites, str) else list(sites)
+        if sites == "all" and not names:
+            raise LabConfigError("sites='all', but no site has joined: run lab.join_command(https=True)'s line "
+                                 "on a machine first (lab.wait_for_sites() waits for it)")
+        return {name: registry.site_session(name) for name in names}
+
     def wait_for_sites(self, count: int = 1, timeout: float = 120.0) -> list[str]:
         """Wait until ``count`` sites have joined with all their engines; their names."""
         return self._registry().wait(count, timeout)

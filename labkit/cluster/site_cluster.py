@@ -47,7 +47,7 @@ class SiteCluster(RankCluster):
         self._assign(found, list(range(len(found))), deadline)
         self._reached("ranks assigned")
 
-    def _waiting(self) -> list[tuple[int, dict]]:
+    def waiting(self) -> list[tuple[int, dict]]:
         """Registered engines of this site that are not ranks (yet), oldest first."""
         assert self.client is not None
         return sorted((engine, info) for engine, info in engines.describe(self, engines.new_engines(self)).items()
@@ -55,7 +55,7 @@ class SiteCluster(RankCluster):
 
     def _wait_for_engines(self, count: int, deadline: float) -> list[tuple[int, dict]]:
         while True:
-            found = self._waiting()
+            found = self.waiting()
             if len(found) >= count:
                 return found[:count]
             problem = self.infrastructure_problem()

@@ -63,6 +63,8 @@ class Stream:
 
     async def deliver(self, data: bytes) -> None:
         self.session.bytes_in[self.target] += len(data)
+        if self.writer.is_closing():  # the local end went: its close is on its way to the far end
+            return
         self.writer.write(data)
         try:
             await asyncio.wait_for(self.writer.drain(), DRAIN_SECONDS)
@@ -125,8 +127,9 @@ class LineSession:
         """Onto the attached websocket, if any (the caller holds the lock). A failed send is sent again
         after the next attach: the frame is still in the outbox."""
         websocket = self.websocket
-        if websocket is None:
-            return
+        transport = getattr(websocket, "transport", None)
+        if websocket is None or transport is None or transport.is_closing():
+            return  # dropped: the frame waits in the outbox for the next websocket
         try:
             await websocket.send(encoded)
         except Exception:  # noqa: BLE001 - closed or broken: the watchdog or the reader detaches it

@@ -157,7 +157,8 @@ def combine_members(results: list[dict], model: str, vary: str, combine: str, ta
 def run_ensemble(session: Session, model: str = "gpt", members: int = 4, steps: int = 30, vary: str = "seed",
                  combine: str = "mean", lr: float = 3e-3, seed: int = 0, global_batch: int = 32,
                  heldout_batches: int = 4, optimizer: str = "adamw", model_settings: dict | None = None,
-                 timeout: float | None = None, retries: int | None = None, live: bool | None = None
+                 timeout: float | None = None, retries: int | None = None, live: bool | None = None,
+                 sites: dict | None = None
                  ) -> EnsembleReport:
     """Train ``members`` models apart on the lab's ranks and combine them; see the module docstring."""
     if not isinstance(model, str):
@@ -171,5 +172,5 @@ def run_ensemble(session: Session, model: str = "gpt", members: int = 4, steps: 
                              f"or a model that classifies ({', '.join(voters)})")
     specs = member_specs(model, members, steps, vary, lr, seed, global_batch, heldout_batches, optimizer,
                          model_settings or {})
-    tasks = run_tasks(session, entry.train_member, specs, timeout=timeout, retries=retries, live=live)
+    tasks = run_tasks(session, entry.train_member, specs, timeout=timeout, retries=retries, live=live, sites=sites)
     return combine_members(tasks.values, model, vary, combine, tasks)

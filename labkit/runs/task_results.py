@@ -26,7 +26,7 @@ class TaskRecord:
 
     index: int
     attempts: int = 0
-    rank: int | None = None  # where it ran last (or runs now)
+    rank: int | str | None = None  # where it ran last (or runs now): a rank, or a site's "site:rank"
     started: float | None = None  # monotonic time its current attempt began running
     seconds: float | None = None  # how long the attempt that finished took on its rank
     state: str = "pending"  # pending, running, done, failed, cancelled
@@ -56,13 +56,13 @@ class TaskResults:
     def requeued(self) -> int:
         return sum(max(record.attempts - 1, 0) for record in self.records)
 
-    def per_rank(self) -> dict[int, int]:
-        """Tasks finished by each rank."""
-        counts: dict[int, int] = {}
+    def per_rank(self) -> dict:
+        """Tasks finished by each rank (the lab's by number, a site's as "site:rank")."""
+        counts: dict = {}
         for record in self.records:
             if record.state == "done" and record.rank is not None:  # (a task is done on the rank that reported it)
                 counts[record.rank] = counts.get(record.rank, 0) + 1
-        return dict(sorted(counts.items()))
+        return dict(sorted(counts.items(), key=lambda item: (isinstance(item[0], str), str(item[0]).zfill(6))))
 
     def __len__(self) -> int:
         return len(self.records)

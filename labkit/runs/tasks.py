@@ -27,6 +27,12 @@ What this module adds is what the scheduler leaves to its caller:
 
 Afterwards, if a rank was replaced, the process group is rebuilt so the next
 cell has one (the other ranks keep their variables).
+
+Sites (machines that joined over HTTPS, ``runs.task_pools.SitePool``) add their ranks to the pool:
+their tasks cross their line; a task's lease is its engine's registration, renewed by its
+heartbeats through the line, so a site cut off loses its engines within the controller's
+heartbeat limit and their tasks are requeued elsewhere; the site's fresh engines rejoin the
+pool when its line is back. The queue never waits for a site.
 """
 
 from __future__ import annotations
@@ -36,8 +42,8 @@ import signal
 import time
 from typing import TYPE_CHECKING
 
-from labkit.runs.recovery import stale_reason
 from labkit.runs.sources import notebook_sources
+from labkit.runs.task_pools import RankPool, SitePool, Worker
 from labkit.runs.task_results import LOST, TaskFailed, TaskRecord, TaskResults, on_rank
 from labkit.spec.errors import LabConfigError, LabError, format_ranks
 from labkit.views.task_board import TaskBoard
@@ -46,7 +52,6 @@ from labkit.wire import entry
 if TYPE_CHECKING:
     from ipyparallel import AsyncResult, Client, LoadBalancedView
 
-    from labkit.cluster.rank_cluster import RankCluster
     from labkit.session import Session  # a layer above the runs it drives
 
 POLL_SECONDS = 0.05
@@ -68,9 +73,12 @@ def _check(fn, items, retries) -> list:
 class TaskQueue:
     """One ``lab.tasks`` call: submits, watches the ranks, requeues, collects."""
 
-    def __init__(self, session: Session, fn, items, timeout: float, retries: int, live: bool | None) -> None:
+    def __init__(self, session: Session, fn, items, timeout: float, retries: int, live: bool | None,
+                 sites: dict[str, Session] | None = None) -> None:
         self.session = session
-        self.cluster: RankCluster = session.require_running()
+        self.pools: list[RankPool] = [RankPool(session),
+                                      *(SitePool(name, site) for name, site in (sites or {}).items())]
+        self.worker_of: dict[int, Worker] = {}  # engine id -> the worker (rank, or site:rank) it is
         self.fn = fn
         self.items = items
         self.timeout = timeout
@@ -79,11 +87,10 @@ class TaskQueue:
         self.records = [TaskRecord(index) for index in range(len(items))]
         self.attempt: dict[int, AsyncResult] = {}  # item index -> its current attempt
         self.events: list[str] = []
-        self.replaced: set[int] = set()
-        self.interrupted_at: dict[int, float] = {}  # rank -> when a timed-out task was interrupted
-        # Engines of replaced ranks -> (rank, why): a task seen starting there later was lost with it.
-        self.dead_engines: dict[int, tuple[int, str]] = {}
-        self.board = TaskBoard(len(items), session.world_size, live=live)
+        self.interrupted_at: dict[Worker, float] = {}  # worker -> when a timed-out task was interrupted
+        # Engines of replaced ranks -> (worker, why): a task seen starting there later was lost with it.
+        self.dead_engines: dict[int, tuple[Worker, str]] = {}
+        self.board = TaskBoard(len(items), self._workers(), live=live)
         self.view: LoadBalancedView | None = None
 
     # -- status, for session.claim ------------------------------------------
@@ -102,22 +109,27 @@ class TaskQueue:
     # -- the queue -----------------------------------------------------------
 
     def _client(self) -> Client:
-        client = self.cluster.client
+        client = self.pools[0].cluster.client
         assert client is not None, "the lab runs (the session's ready() said so): it has its client"
         return client
+
+    def _workers(self) -> list[Worker]:
+        return [worker for pool in self.pools for worker in pool.workers()]
 
     def _wait_for_retired_engines(self, seconds: float = 5.0) -> None:
         """The scheduler sends work to every engine the controller still lists. A rank replaced just
         before (it died while idle) is listed until its heartbeats are missed (about 2 s): a task
         sent to it would wait out ipyparallel's grace before coming back. So wait for it to go."""
         deadline = time.monotonic() + seconds
-        while self.cluster.retired_engines & set(self._client().ids) and time.monotonic() < deadline:
+        retired = set().union(*(pool.cluster.retired_engines for pool in self.pools))
+        while retired & set(self._client().ids) and time.monotonic() < deadline:
             time.sleep(POLL_SECONDS)
 
     def _make_view(self) -> None:
         """A load-balanced view over the ranks' engines only: an engine that registered but is not a rank
         yet (a replacement being set up, a machine that joined) has no runtime to run a task."""
-        self.view = self._client().load_balanced_view(targets=sorted(self.cluster.engine_of.values()))
+        self.worker_of = {engine: worker for pool in self.pools for engine, worker in pool.engines().items()}
+        self.view = self._client().load_balanced_view(targets=sorted(self.worker_of))
         self.view.retries = 0  # requeueing is ours: only after a lost rank, never after a raise
 
     def run(self) -> TaskResults:
@@ -155,11 +167,8 @@ class TaskQueue:
         self.attempt[record.index] = self.view.apply_async(
             entry.run_task, self.fn, self.items[record.index], self.sources, self.timeout)
 
-    def _rank_of_engine(self, engine_id) -> int | None:
-        for rank, engine in self.cluster.engine_of.items():
-            if engine == engine_id:
-                return rank
-        return None
+    def _rank_of_engine(self, engine_id) -> Worker | None:
+        return self.worker_of.get(engine_id)
 
     def _collect(self) -> None:
         for record in self.records:
@@ -190,7 +199,8 @@ class TaskQueue:
                 record.state, record.error = "failed", {"type": type(error).__name__, "message": str(error),
                                                          "traceback": ""}
                 continue
-            record.rank = report.get("rank", record.rank)
+            ran_on = self._rank_of_engine(result.metadata.get("engine_id"))  # a site's rank reports its own number
+            record.rank = ran_on if ran_on is not None else report.get("rank", record.rank)
             record.seconds = report.get("seconds")
             record.output = (result.stdout or "") + (result.stderr or "")
             if report.get("ok"):
@@ -207,17 +217,27 @@ class TaskQueue:
         self.events.append(f"task {record.index} requeued: {why}")
         self._submit(record)
 
-    def _rank_states(self) -> dict[int, str]:
-        return {rank: "replaced" if rank in self.replaced else "ready" for rank in range(self.session.world_size)}
+    def _rank_states(self) -> dict[Worker, str]:
+        states: dict[Worker, str] = {}
+        for pool in self.pools:
+            for rank in pool.cluster.ranks:
+                states[pool.worker(rank)] = ("lost" if rank in pool.down else
+                                             "replaced" if rank in pool.replaced else "ready")
+        return states
+
+    def _place(self, worker: Worker) -> tuple[RankPool, int]:
+        for pool in self.pools:
+            for rank in pool.cluster.ranks:
+                if pool.worker(rank) == worker:
+                    return pool, rank
+        raise KeyError(worker)
 
     def _watch_ranks(self) -> None:
         """Replace a rank that cannot work, and requeue the task it was running."""
         now = time.monotonic()
-        broken = {}
-        for rank in range(self.session.world_size):
-            condition = self.cluster.condition(rank)
-            if condition is not None:
-                broken[rank] = condition
+        broken: dict[Worker, str] = {}
+        for pool in self.pools:
+            broken.update({pool.worker(rank): why for rank, why in pool.broken().items()})
         for record in self.records:
             # Past its time: interrupt the rank once, then replace it if it does not stop.
             held_by = record.rank  # a running task's rank is known
@@ -225,27 +245,32 @@ class TaskQueue:
                     and now - record.started > self.timeout:
                 first = self.interrupted_at.setdefault(held_by, now)
                 if first == now:
-                    self.cluster.signal([held_by], signal.SIGINT)
+                    pool, rank = self._place(held_by)
+                    pool.signal([rank], signal.SIGINT)
                 elif now - first > self.session.interrupt_grace:
                     broken.setdefault(held_by, f"did not stop within {self.session.interrupt_grace:g} s "
                                                    f"of an interrupt after the task's {self.timeout:g} s")
+        back = {pool.worker(rank) for pool in self.pools for rank in pool.retry()}
         if not broken:
+            if back:
+                self._make_view()
+                self.events.append(f"{format_workers(back)} rejoined the pool (fresh engines of their site)")
             return
         lost = [(record, held_by) for record in self.records
                 if record.state == "running" and (held_by := record.rank) is not None and held_by in broken]
-        for rank in broken:
-            if rank in self.cluster.engine_of:
-                self.dead_engines[self.cluster.engine_of[rank]] = (rank, broken[rank])
-        try:
-            self.cluster.replace(sorted(broken))  # kills what is left of them first (a frozen one too)
-        except Exception as error:  # noqa: BLE001
-            raise LabError(f"{format_ranks(sorted(broken))} could not be replaced ({error}); "
-                           "call lab.restart() (or %lab restart)") from None
-        self.replaced |= set(broken)
+        for engine, worker in self.worker_of.items():
+            if worker in broken:
+                self.dead_engines[engine] = (worker, broken[worker])
+        for pool in self.pools:  # kills what is left of them first (a frozen one too)
+            ranks = [rank for rank in pool.cluster.ranks if pool.worker(rank) in broken]
+            if ranks:
+                back |= {pool.worker(rank) for rank in pool.repair(ranks)}
         self._make_view()  # tasks sent from now on (the requeued ones first) may go to the replacements too
-        for rank, condition in sorted(broken.items()):
-            self.events.append(f"rank {rank} {condition}: replaced, and it rejoined the pool")
-            self.interrupted_at.pop(rank, None)
+        for worker, condition in sorted(broken.items(), key=lambda item: str(item[0])):
+            done = "replaced, and it rejoined the pool" if worker in back else \
+                "left out until its site's fresh engines come"
+            self.events.append(f"{format_workers([worker])} {condition}: {done}")
+            self.interrupted_at.pop(worker, None)
         for record, held_by in lost:
             if record.started is not None and now - record.started > self.timeout:
                 record.state = "failed"
@@ -257,13 +282,15 @@ class TaskQueue:
     def _withdraw(self) -> None:
         """Ctrl-C: withdraw waiting tasks, interrupt running ones, keep what finished."""
         waiting = [self.attempt[r.index] for r in self.records if r.state == "pending" and r.index in self.attempt]
-        running = sorted({r.rank for r in self.records if r.state == "running" and r.rank is not None})
+        running = {r.rank for r in self.records if r.state == "running" and r.rank is not None}
         try:
             if self.view is not None and waiting:
                 self.view.abort(jobs=[msg_id for result in waiting for msg_id in result.msg_ids], block=False)
         except Exception:  # noqa: BLE001 - already started or gone: such a task is interrupted below
             pass
-        self.cluster.signal(running, signal.SIGINT)
+        for worker in running:
+            pool, rank = self._place(worker)
+            pool.signal([rank], signal.SIGINT)
         deadline = time.monotonic() + self.session.interrupt_grace
         while time.monotonic() < deadline and any(
                 not self.attempt[r.index].ready() for r in self.records if r.state == "running"):
@@ -275,32 +302,46 @@ class TaskQueue:
         for record in self.records:
             if record.state == "failed" and (record.error or {}).get("type") in ("KeyboardInterrupt", "TaskAborted"):
                 record.state, record.error = "cancelled", None  # stopped by the user, not broken
-        stuck = sorted({r.rank for r in self.records if r.state == "running" and r.rank is not None})
-        if stuck:
-            self.cluster.replace(stuck)
-            self.replaced |= set(stuck)
+        stuck = {r.rank for r in self.records if r.state == "running" and r.rank is not None}
+        for pool in self.pools:
+            ranks = [rank for rank in pool.cluster.ranks if pool.worker(rank) in stuck]
+            if ranks:
+                pool.repair(ranks)
         for record in self.records:
             if record.state in ("pending", "running"):
                 record.state = "cancelled"
 
 
+def format_workers(workers) -> str:
+    """'rank 2', 'ranks 0 and 3', 'rank home:1': a site's ranks are named with their site."""
+    return format_ranks(sorted(workers, key=str)) if all(isinstance(w, int) for w in workers) else \
+        ", ".join(f"rank {worker}" for worker in sorted(workers, key=str))
+
+
 def run_tasks(session: Session, fn, items, timeout: float | None = None, retries: int | None = None,
-              live: bool | None = None) -> TaskResults:
-    """Run ``fn(item)`` for every item on whichever rank is idle; see the module docstring."""
-    retries = session.world_size if retries is None else retries
+              live: bool | None = None, sites: dict[str, Session] | None = None) -> TaskResults:
+    """Run ``fn(item)`` for every item on whichever rank is idle (the lab's, and ``sites``' ranks: their
+    sessions by name); see the module docstring."""
+    sessions = [session, *(sites or {}).values()]
+    retries = sum(each.world_size for each in sessions) if retries is None else retries
     items = _check(fn, items, retries)
     limit = session.limit(timeout)
-    session.ready()  # broken ranks replaced first: every rank starts in the pool
-    queue = TaskQueue(session, fn, items, limit, retries, live)
-    session.claim(queue)
+    for each in sessions:
+        each.ready()  # broken ranks replaced first: every rank starts in the pool
+    queue = TaskQueue(session, fn, items, limit, retries, live, sites)
+    claimed = []
     try:
+        for each in sessions:
+            each.claim(queue)
+            claimed.append(each)
         results = queue.run()
     finally:
-        session.release(queue)
-        if queue.replaced:
-            # A replaced rank is not in the process groups yet: the world is formed anew. A task that
-            # raised or was stopped leaves the groups as they are (tasks do not wait for each other).
-            session.form_group(stale_reason(session.generation, sorted(queue.replaced)))
+        for each in claimed:
+            each.release(queue)
+        # A replaced rank is not in the process groups yet: its world is formed anew. A task that
+        # raised or was stopped leaves the groups as they are (tasks do not wait for each other).
+        for pool in queue.pools:
+            pool.finish()
     print(results.summary(), flush=True)
     failed = [record for record in results.records if record.state == "failed"]
     if failed:

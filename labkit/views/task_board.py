@@ -21,13 +21,14 @@ if TYPE_CHECKING:
 REDRAW_SECONDS = 0.25
 
 
-def board_text(total: int, world_size: int, records, rank_states: dict[int, str]) -> str:
-    """The board as text: counts, then one row per rank."""
+def board_text(total: int, workers, records, rank_states: dict) -> str:
+    """The board as text: counts, then one row per worker (a rank of the lab, or a site's "site:rank")."""
     states = [record.state for record in records]
     lines = [f"tasks: {states.count('pending')} pending, {states.count('running')} running, "
              f"{states.count('done')}/{total} done" + (f", {states.count('failed')} failed" if "failed" in states else "")]
-    lines.append(f"{'rank':<6}{'running':<10}{'done':<6}state")
-    for rank in range(world_size):
+    width = max([6, *(len(str(worker)) + 2 for worker in workers)])
+    lines.append(f"{'rank':<{width}}{'running':<10}{'done':<6}state")
+    for rank in workers:
         running = [str(record.index) for record in records if record.state == "running" and record.rank == rank]
         done = sum(record.state == "done" and record.rank == rank for record in records)
         bar = "#" * done
@@ -35,16 +36,16 @@ def board_text(total: int, world_size: int, records, rank_states: dict[int, str]
         state = rank_states.get(rank, "ready")
         if state == "ready" and running:
             state = "running"
-        lines.append(f"{rank:<6}{','.join(running) or '-':<10}{done:<6}{state:<9}{bar}")
+        lines.append(f"{str(rank):<{width}}{','.join(running) or '-':<10}{done:<6}{state:<9}{bar}")
     return "\n".join(lines)
 
 
 class TaskBoard:
     """Redraws ``board_text`` in one notebook display while the queue runs."""
 
-    def __init__(self, total: int, world_size: int, live: bool | None = None) -> None:
+    def __init__(self, total: int, workers, live: bool | None = None) -> None:
         self.total = total
-        self.world_size = world_size
+        self.workers = list(range(workers)) if isinstance(workers, int) else list(workers)
         self.live = in_kernel() if live is None else live
         self._handle: DisplayHandle | None = None
         self._last_draw = 0.0
@@ -56,7 +57,7 @@ class TaskBoard:
 
         if self._handle is None:
             self._handle = display({"text/plain": ""}, raw=True, display_id=True)
-        self._handle.update({"text/plain": board_text(self.total, self.world_size, records, rank_states)}, raw=True)
+        self._handle.update({"text/plain": board_text(self.total, self.workers, records, rank_states)}, raw=True)
         self._last_draw = time.monotonic()
 
     def finish(self) -> None:
