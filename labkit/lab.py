@@ -305,7 +305,12 @@ class Lab(LabSites):
         (bucket_cap_mb, reshard_after_forward, sequence_parallel, schedule, ...), max_memory (e.g. '64MB' per rank),
         verify (compare with single-process training), log_every, instruments, precision ('fp32' or 'bf16'), tf32,
         peak_tflops, checkpoint_every, checkpoint_dir, auto_heal. Everything is checked before any rank works.
+        sites ("all" or names): DiLoCo fused across sites, each one replica (inner="ddp" or "fsdp" inside it),
+        the outer sync through the hub (wire="bf16" or "fp32", quorum, round_timeout); a ``SitesReport``.
         """
+        if settings.get("sites") is not None:  # DiLoCo fused across sites (labkit.sites, runs.site_diloco)
+            return self._train_across_sites(dict(strategy=strategy, model=model, steps=steps, data=data, loss=loss,
+                                                 dashboard=dashboard, background=background, **settings), timeout)
         run = launch_training(self.session, dict(strategy=strategy, model=model, steps=steps, data=data, loss=loss,
                                                  **settings), mesh,
                               self.session.limit(timeout), dashboard, background, straggler_threshold, resume)

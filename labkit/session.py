@@ -353,7 +353,7 @@ class Session:
         places = {engine: {"rank": rank, "world_size": self.world_size, "store_host": store_host,
                            "store_port": store_port} for rank, engine in cluster.engine_of.items()}
         self.call(range(self.world_size), entry.join_group, (places, self.generation, limit, reason), limit)
-        self.control.attach(store_host, store_port)
+        self.control.attach(*cluster.store_address(store_host, store_port))  # a site's: through its line
         if self.link is not None:  # replaced ranks get it too; the others put it on their new world group
             self.call(range(self.world_size), entry.set_link, (self.link,), limit)
         if self.mesh_spec is not None:

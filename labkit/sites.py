@@ -198,6 +198,22 @@ class LabSites:
                                  "on a machine first (lab.wait_for_sites() waits for it)")
         return {name: registry.site_session(name) for name in names}
 
+    def _train_across_sites(self, settings: dict, timeout: float | None):
+        """``lab.train("diloco", ..., sites=...)``: one DiLoCo model from the sites (``runs.site_diloco``)."""
+        from labkit.runs.site_diloco import SitesRun
+
+        sessions = self.site_sessions(settings.pop("sites"))
+        registry = self._registry()
+        assert registry.endpoint is not None, "site_sessions found sites: the line is open"
+        options = {name: settings.pop(name) for name in ("inner", "wire", "quorum", "round_timeout") if name in settings}
+        if settings.pop("dashboard", False):
+            raise LabConfigError("dashboard is not offered for a run across sites yet: it prints each round "
+                                 "(background=True returns the run: .progress(), .wait(), .stop())")
+        background = settings.pop("background", False)
+        run = SitesRun(self.session, registry.endpoint.hub, sessions, settings, self.session.limit(timeout),
+                       reopen=registry.site_session, **options)
+        return run.start_background() if background else run.run()
+
     def wait_for_sites(self, count: int = 1, timeout: float = 120.0) -> list[str]:
         """Wait until ``count`` sites have joined with all their engines; their names."""
         return self._registry().wait(count, timeout)

@@ -190,6 +190,12 @@ class NetnsHosts:
         self._check(i)
         return self._host_ends[i]
 
+    def bridge_interface(self, i: int) -> str:
+        """Name of host i's link at the bridge (in ``bridge_namespace``): what it sends out is
+        what host i receives, so a qdisc there shapes host i's incoming traffic."""
+        self._check(i)
+        return self._bridge_ends[i]
+
     def command(self, i: int, argv: list[str]) -> list[str]:
         """``argv`` prefixed so that it runs inside host i (pass it to subprocess)."""
         self._check(i)

@@ -23,12 +23,17 @@ from labkit.wire import entry as rank_entry
 from labkit.wire.rank_settings import RankSettings
 
 JOINED = "joined"
-SITE_PREFIX = "site:"  # a site's engine, "site:<name>": it came over the site's line (cluster.site_agent)
+SITE_PREFIX = "site:"  # a site's engine, "site:<name>@<line session>": it came over that line (cluster.site_agent)
 
 
 def site_of(slot: str) -> str | None:
     """The site an engine came from, None for any other engine."""
-    return slot[len(SITE_PREFIX):] if slot.startswith(SITE_PREFIX) else None
+    return slot[len(SITE_PREFIX):].split("@", 1)[0] if slot.startswith(SITE_PREFIX) else None
+
+
+def line_session_of(slot: str) -> str | None:
+    """The line session a site's engine came over (a site that joined anew has another)."""
+    return slot.split("@", 1)[1] if slot.startswith(SITE_PREFIX) and "@" in slot else None
 
 
 @dataclass

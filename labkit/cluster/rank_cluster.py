@@ -9,11 +9,9 @@ ipyparallel's (MPI, SSH, Slurm, ...: one engine set for the ranks started
 together). Engines started elsewhere by ``python -m labkit join`` wait in a pool
 and become ranks at the next start or heal.
 
-An engine does not know its rank when it starts: as engines register, the
-cluster gives them ranks (``entry.become_rank``), numbering the ranks of a host
-together as torchrun does. It knows which engine and process is which rank,
-signals a rank through ipyparallel (its launcher, or the engine's nanny for
-engines started elsewhere), tells why a rank cannot work (``cluster.health``),
+As engines register, the cluster gives them ranks (``entry.become_rank``), numbered
+by host as torchrun does; it signals a rank through ipyparallel (its launcher, or the
+nanny of engines started elsewhere), tells why a rank cannot work (``cluster.health``),
 and on ``stop()`` leaves no process and no listening port behind.
 """
 
@@ -81,8 +79,7 @@ class RankCluster:
         return os.path.join(self.profile_dir, "log", name)
 
     def engine_connection(self) -> dict:
-        """What an engine needs to reach the controller (ipyparallel's engine connection file, read once:
-        it holds for the controller's life)."""
+        """What an engine needs to reach the controller (its connection file, read once: it holds)."""
         if self._connection is None:
             self._connection = engines.connection_info(self.profile_dir)
         return self._connection
@@ -350,6 +347,10 @@ class RankCluster:
         first = len(self.records)
         self._assign(joining, list(range(first, first + len(joining))), deadline)
 
+    def store_address(self, host: str, port: int) -> tuple[str, int]:
+        """Where the notebook reaches rank 0's store at ``host:port`` (here: there; a site: through its line)."""
+        return host, port
+
     def place_of(self, rank: int) -> dict[str, object]:
         """What this rank was told when it became one (its world, host layout, controller)."""
         return dict(self._settings.get(rank, {}))
@@ -365,9 +366,8 @@ class RankCluster:
     # -- stop ---------------------------------------------------------------
 
     def stop(self) -> None:
-        """Stop engines, controller and host; remove the working directory. Idempotent.
-
-        Engines that joined from elsewhere are asked to shut down (their join command ends with them)."""
+        """Stop engines, controller and host; remove the working directory. Idempotent. Engines that
+        joined from elsewhere are asked to shut down (their join command ends with them)."""
         if self.client is not None:
             joined = [record.engine for record in self.records.values() if record.joined]
             joined += [engine for engine, _ in self.joiners()]

@@ -10,17 +10,19 @@ group of their own, on this machine's loopback: nothing of torch.distributed cro
 Nothing here listens on a network interface: the local ends, like the ranks' own group, are on
 127.0.0.1 only, and the line is a connection *out*. The agent keeps ``ranks`` engines running: one
 that ends is reported to the hub at once (the lab names it) and started again (that is how the lab
-replaces a site's rank: it asks the agent to kill it), unless it keeps failing at its start. When
-nothing is heard from the hub for longer than the controller waits for heartbeats (``stale_seconds``
-in the hub's welcome), the controller has dropped these engines: the agent ends them, and starts
-fresh ones once the line is back. The agent ends, and its engines with it, when the lab stops, on
-Ctrl-C, or when the hub refuses the token.
+replaces a site's rank, one that died or one its controller dropped while the line was down: it asks
+the agent to kill it), unless it keeps failing at its start; new engines start only while the line
+is up (they could not register otherwise). The hub may open a stream back only to a loopback port
+that this site's own ranks listen on (their rendezvous store). The agent ends, and its engines with
+it, when the lab stops, on Ctrl-C, when the hub refuses the token, or after ``GIVE_UP_SECONDS``
+without reaching the hub.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import re
 import shutil
@@ -65,7 +67,7 @@ class SiteAgent:
         self.name, self.ranks, self.say = name, ranks, say
         self.folder = tempfile.mkdtemp(prefix="labkit-site-")  # private (0700), removed at the end
         self.client = LineClient(token, name, site_info(ranks), cafile, on_session=self._on_session,
-                                 on_control=self._on_control, say=say)
+                                 on_control=self._on_control, on_open=self._open_local, say=say)
         self.local_ports: dict[str, int] = {}  # target -> the port of its local end here
         self._servers: list[asyncio.AbstractServer] = []
         self.engines: dict[int, subprocess.Popen] = {}  # local rank -> its engine's process
@@ -101,6 +103,32 @@ class SiteAgent:
             return
         await session.open_stream(target, reader, writer)
 
+    async def _open_local(self, session: LineSession, target: str):
+        """The hub asks for a port on this loopback: only one that this site's own ranks listen on."""
+        kind, _, port = target.partition(":")
+        if kind != "loopback" or not port.isdigit() or int(port) not in self._ranks_ports():
+            return None
+        try:
+            return await asyncio.open_connection(LOOPBACK, int(port))
+        except OSError:
+            return None
+
+    def _ranks_ports(self) -> set[int]:
+        """Ports this site's engines (and their children) listen on, on loopback."""
+        import psutil
+
+        ports = set()
+        for process in self.engines.values():
+            try:
+                family = [psutil.Process(process.pid), *psutil.Process(process.pid).children(recursive=True)]
+            except psutil.NoSuchProcess:
+                continue
+            for member in family:
+                with _gone():
+                    ports |= {connection.laddr.port for connection in member.net_connections(kind="tcp")
+                              if connection.status == psutil.CONN_LISTEN}
+        return ports
+
     async def _on_control(self, message: dict) -> None:
         operation = message.get("op")
         if operation == "stop":
@@ -121,7 +149,8 @@ class SiteAgent:
     def _start_engine(self, local_rank: int) -> None:
         assert self.connection is not None
         env = dict(os.environ, IPP_CONNECTION_INFO=json.dumps(local_connection(self.connection, self.local_ports)),
-                   LABKIT_SLOT=f"{SITE_SLOT_PREFIX}{self.name}", LABKIT_SITE_RANK=str(local_rank))
+                   LABKIT_SLOT=f"{SITE_SLOT_PREFIX}{self.name}@{self.client.session.label}",  # type: ignore[union-attr]
+                   LABKIT_SITE_RANK=str(local_rank))
         if SYNC in self.local_ports:
             env[SYNC_VARIABLE] = f"{LOOPBACK}:{self.local_ports[SYNC]}"
         profile = os.path.join(self.folder, f"engine{local_rank}")
@@ -152,11 +181,7 @@ class SiteAgent:
     async def _supervise(self) -> None:
         while not self.done.is_set():
             if self.connection is not None:
-                if self._silent():
-                    if self.engines:
-                        self._end_engines(f"nothing heard from the lab for over {self.stale_seconds:g} s, so its "
-                                          "controller has dropped them; fresh ones start when the line is back")
-                else:
+                if not self._silent():  # an engine started while the line is down could not register
                     self._keep_engines()
                 await self._report()
             await asyncio.sleep(SUPERVISE_SECONDS)
@@ -206,6 +231,8 @@ class SiteAgent:
         finally:
             self.done.set()
             self.client.stopped = True  # no more dialling: this site is leaving
+            # Its engines' sockets close under streams still being written: asyncio's notes of that say nothing.
+            logging.getLogger("asyncio").setLevel(logging.ERROR)
             supervisor.cancel()
             self._end_engines("this site leaves the lab")
             session = self.client.session

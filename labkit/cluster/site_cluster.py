@@ -33,6 +33,8 @@ class SiteCluster(RankCluster):
     def __init__(self, parent: RankCluster, endpoint, name: str, plan: RankPlan, start_timeout: float):
         super().__init__(plan, start_timeout=start_timeout, launcher=SITE_LAUNCHER)
         self.parent, self.endpoint, self.site = parent, endpoint, name
+        link = endpoint.hub.sites().get(name)
+        self.line_session = link.session if link is not None else None  # its engines came over this line
         self.descriptions = parent.descriptions  # one answer per engine for the whole lab
 
     # -- start: adopt the site's engines ---------------------------------------------
@@ -51,7 +53,8 @@ class SiteCluster(RankCluster):
         """Registered engines of this site that are not ranks (yet), oldest first."""
         assert self.client is not None
         return sorted((engine, info) for engine, info in engines.describe(self, engines.new_engines(self)).items()
-                      if engines.site_of(info["slot"]) == self.site)
+                      if engines.site_of(info["slot"]) == self.site
+                      and engines.line_session_of(info["slot"]) == self.line_session)
 
     def _wait_for_engines(self, count: int, deadline: float) -> list[tuple[int, dict]]:
         while True:
@@ -75,13 +78,19 @@ class SiteCluster(RankCluster):
     def engine_connection(self) -> dict:
         return self._connection or self.parent.engine_connection()
 
+    def store_address(self, host: str, port: int) -> tuple[str, int]:
+        """Rank 0's store is on the site's loopback: the notebook reaches it through the line."""
+        return "127.0.0.1", self.endpoint.hub.forward(self.site, port)
+
     def joiners(self) -> list[tuple[int, dict]]:
         return []  # a site has the ranks its join command asked for; more come with another site
 
     # -- health ----------------------------------------------------------------------
 
     def link(self):
-        return self.endpoint.hub.sites().get(self.site)
+        """What the hub knows of this site's line (None once the site joined anew: that is another line)."""
+        link = self.endpoint.hub.sites().get(self.site)
+        return link if link is not None and link.session == self.line_session else None
 
     def infrastructure_problem(self) -> str | None:
         problem = self.parent.infrastructure_problem()
@@ -89,7 +98,8 @@ class SiteCluster(RankCluster):
             return problem
         link = self.link()
         if link is None:
-            return f"site {self.site!r} has not joined"
+            return (f"site {self.site!r} joined anew (or left): these ranks came over its earlier line and are gone; "
+                    f"lab.site({self.site!r}) has its new ranks")
         if link.gone:
             return (f"site {self.site!r} left the lab (its line ended); run the join command there again to bring "
                     "it back")

@@ -4,7 +4,7 @@
 proxy when one is set: websockets reads the proxy variables itself), checks the hub's certificate
 (the token's pin, or the usual chain and name checks), proves the token with an HMAC of the hub's
 nonce and checks the hub's proof, then attaches the session's websocket until it drops, and dials
-again with growing pauses (``BACKOFF``). A session the hub still holds is resumed (nothing lost);
+again with growing pauses (``BACKOFF``), for ``GIVE_UP_SECONDS`` at most. A session the hub still holds is resumed (nothing lost);
 otherwise the hub begins a new one and ``on_session`` is told. A refusal (another lab, an expired
 token, a name in use) ends ``run`` with ``LineRefused``: dialling again would not help.
 """
@@ -15,6 +15,7 @@ import asyncio
 import json
 import logging
 import ssl
+import time
 from typing import Awaitable, Callable
 
 from labkit.line import token as tokens
@@ -23,6 +24,7 @@ from labkit.line.session import LineSession
 from labkit.line.tls import check_pin, client_context
 
 BACKOFF = (0.2, 0.5, 1.0, 2.0, 4.0, 8.0)
+GIVE_UP_SECONDS = 300.0  # a hub unreachable this long is taken for gone: the site leaves, nothing lingers
 OPEN_SECONDS = 15.0
 log = logging.getLogger("labkit.line")
 
@@ -35,24 +37,29 @@ class LineClient:
     def __init__(self, token: tokens.LineToken, site: str, info: dict, cafile: str | None = None,
                  on_session: Callable[[LineSession, dict], Awaitable[None]] | None = None,
                  on_control: Callable[[dict], Awaitable[None]] | None = None,
-                 say: Callable[[str], None] = print) -> None:
+                 on_open=None, say: Callable[[str], None] = print) -> None:
         self.token, self.site, self.info = token, site, info
         self.context: ssl.SSLContext = client_context(token.pin, cafile)
-        self.on_session, self.on_control = on_session, on_control
+        self.on_session, self.on_control, self.on_open = on_session, on_control, on_open
         self.say = say
         self.session: LineSession | None = None
         self.welcome: dict = {}
         self.connections = 0
         self.stopped = False
+        self.give_up_seconds = GIVE_UP_SECONDS
 
     async def run(self) -> None:
         failures = 0
+        reached = time.monotonic()  # when the hub last answered (or this began)
         while not self.stopped:
             try:
                 websocket, received = await self._connect()
             except LineRefused:
                 raise
             except Exception as error:  # noqa: BLE001 - unreachable, reset, proxy refused: dial again
+                if time.monotonic() - reached > self.give_up_seconds:
+                    raise LineRefused(f"the lab's hub has not answered for {self.give_up_seconds:g} s "
+                                      f"({describe(error)}): the lab has stopped, or this machine lost its way out")
                 pause = BACKOFF[min(failures, len(BACKOFF) - 1)]
                 if failures in (0, 3) or failures % 10 == 9:
                     self.say(f"labkit: cannot reach the lab's line at {self.token.url} ({describe(error)}); "
@@ -63,6 +70,7 @@ class LineClient:
             failures = 0
             assert self.session is not None
             await self.session.attach(websocket, received)
+            reached = time.monotonic()
             if not self.stopped and not self.session.closed:
                 self.say("labkit: the line dropped; reconnecting")
 
@@ -96,7 +104,7 @@ class LineClient:
             return websocket, int(welcome["received"])
         if current is not None:
             await current.close()  # the hub forgot it: its streams are gone on that side too
-        self.session = LineSession(welcome["session"], on_control=self.on_control)
+        self.session = LineSession(welcome["session"], on_control=self.on_control, on_open=self.on_open)
         if self.on_session is not None:
             await self.on_session(self.session, welcome)
         return websocket, 0

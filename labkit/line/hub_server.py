@@ -70,6 +70,7 @@ class LineHub:
         self._thread: threading.Thread | None = None
         self._server = None
         self._expirer: asyncio.Task | None = None
+        self._forwards: dict[tuple[str, int], asyncio.AbstractServer] = {}  # (site, its port) -> local listener
         self._guard = threading.Lock()
 
     # -- from the notebook's thread ------------------------------------------------
@@ -133,6 +134,30 @@ class LineHub:
             return False
         return asyncio.run_coroutine_threadsafe(self._tell(site, message), self._loop).result(timeout)
 
+    def call(self, coroutine, timeout: float = 10.0):
+        """Run ``coroutine`` on the hub's loop (from another thread); its result."""
+        if self._loop is None:
+            coroutine.close()
+            raise RuntimeError("the lab's line is closed")
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout)
+
+    def forward(self, site: str, port: int) -> int:
+        """A port on this machine's loopback that reaches ``port`` on ``site``'s loopback through its line."""
+        return self.call(self._forward(site, port))
+
+    async def _forward(self, site: str, port: int) -> int:
+        key = (site, port)
+        if key not in self._forwards:
+            async def through_line(reader, writer) -> None:
+                session = self._sessions.get(site)
+                if session is None or session.closed:
+                    writer.close()
+                    return
+                await session.open_stream(f"loopback:{port}", reader, writer)
+
+            self._forwards[key] = await asyncio.start_server(through_line, "127.0.0.1", 0)
+        return self._forwards[key].sockets[0].getsockname()[1]
+
     def add_target(self, name: str, address: tuple[str, int]) -> None:
         """Let sites open streams to ``address`` under ``name`` (the outer sync's service, when it starts)."""
         self.targets[name] = address
@@ -192,7 +217,7 @@ class LineHub:
                                "--name and another name")
             if session is not None:
                 await self._end(name, f"site {name} joined anew (its earlier line ended)")
-            session = LineSession(secrets.token_hex(8), on_open=self._open,
+            session = LineSession(secrets.token_hex(8), on_open=self._open, first_stream=2,
                                   on_control=lambda message, site=name: self._from_site(site, message))
             with self._guard:
                 self._sessions[name] = session
@@ -270,6 +295,8 @@ class LineHub:
             self._expirer.cancel()
         for name in list(self._sessions):
             await self._end(name, f"site {name}: the lab stopped")
+        for forward in self._forwards.values():
+            forward.close()
         if self._server is not None:
             self._server.close()
             with contextlib.suppress(Exception):

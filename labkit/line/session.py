@@ -2,7 +2,9 @@
 
 Both ends hold a ``LineSession``. The joining machine's agent opens streams (``open_stream``: one per
 TCP connection its engines and ranks make to a local end of the line); the hub answers each OPEN by
-connecting to the target it names (``on_open``) and pumps bytes both ways. A session outlives its
+connecting to the target it names (``on_open``) and pumps bytes both ways. The hub opens streams the
+other way only to a port on the site's loopback that the site's own ranks listen on (their rendezvous
+store, which the notebook writes stop requests into and reads the ranks' whereabouts from). A session outlives its
 websocket: when one drops, frames wait in the outbox (``frames.Outbox``) and the streams stay open;
 ``attach`` of the next websocket sends again what the other end did not receive, so a short drop
 loses nothing. Each attachment sends a keep-alive every ``KEEP_SECONDS`` and an acknowledgement at
@@ -90,7 +92,8 @@ class LineSession:
     """Frames in order both ways across reconnects; streams by number; control messages to a handler."""
 
     def __init__(self, label: str, on_open: Opener | None = None,
-                 on_control: Callable[[dict], Awaitable[None]] | None = None, limit: int = frames.DEFAULT_LIMIT):
+                 on_control: Callable[[dict], Awaitable[None]] | None = None, limit: int = frames.DEFAULT_LIMIT,
+                 first_stream: int = 1):
         self.label = label
         self.on_open = on_open  # the hub: connect to the target an OPEN names
         self.on_control = on_control
@@ -103,7 +106,8 @@ class LineSession:
         self.closed = False
         self.bytes_out: Counter[str] = Counter()  # stream payload bytes by target, both directions
         self.bytes_in: Counter[str] = Counter()
-        self._next_stream = 1
+        # Both ends open streams: the agent numbers its own 1, 3, 5, ..., the hub 2, 4, 6, ...
+        self._next_stream = first_stream
         self._lock = asyncio.Lock()  # frames leave in the order they were numbered
         self._room = asyncio.Condition()
 
@@ -136,9 +140,9 @@ class LineSession:
             pass
 
     async def open_stream(self, target: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> Stream:
-        """A local connection that the far end is to connect to ``target`` (the agent's side)."""
+        """A local connection that the far end is to connect to ``target``."""
         number = self._next_stream
-        self._next_stream += 1
+        self._next_stream += 2
         await self.send(OPEN, number, target.encode())
         stream = Stream(self, number, target, reader, writer)
         self.streams[number] = stream

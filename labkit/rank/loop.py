@@ -171,11 +171,12 @@ def _train(config: TrainConfig, runtime: RankContext) -> RankResult:
     staging = batch_staging(device)  # one per run: its buffers are reused by every step
     checkpoints = PeriodicCheckpoints(config) if config.checkpoint_every else None
     for step in range(config.steps):  # this run's steps; the data position is the state's
-        if instruments.stop_agreed(step):
+        if instruments.stop_agreed(step) or (parallel.finished is not None and parallel.finished()):
             break
         share = parallel.data_share  # a rank that takes no data (a parameter server's server) makes none
-        batch = to_device(trainable.share(state.step, config.global_batch, *share), staging) \
-            if share is not None else None
+        position = (state.step, config.global_batch, *share) if parallel.batch_position is None or share is None \
+            else parallel.batch_position(state.step)
+        batch = to_device(trainable.share(*position), staging) if share is not None else None
         timer.begin()
         delay = instruments.begin_step(state.step)  # rows count steps from the run's start, across continuations
         optimizer.zero_grad(set_to_none=True)

@@ -44,6 +44,15 @@ class RankRequests:
 
         return train_member(spec)
 
+    def diloco_reference(self, config) -> bytes:
+        import torch
+
+        from labkit.rank.own_model import trainable_for
+        from labkit.strategies.diloco import reference_parameters
+
+        _, final = reference_parameters(config, "cpu", config.steps, trainable=trainable_for(config, self.runtime))
+        return torch.cat([value.reshape(-1).float() for value in final.values()]).numpy().tobytes()
+
     def seed(self, value: int, same: bool) -> int:
         from labkit.rank.environment import seed_as_asked
 

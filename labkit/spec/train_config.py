@@ -68,6 +68,8 @@ class TrainConfig:
     mesh_reason: str = "given"
     batch_note: str = ""  # how the default global batch was fitted to the mesh, in words ("": as it is)
     own: OwnModel | None = None  # the user's own model, data and loss (``model`` is then its name)
+    # A site's part in DiLoCo across sites (runs.site_diloco sets it): the hub's run, key, wire and share sizes.
+    outer_hub: dict | None = None
 
     @overload
     def setting(self, which: Setting[T]) -> T: ...
@@ -136,7 +138,7 @@ class TrainConfig:
 def user_settings() -> set[str]:
     """The general settings a user gives ``lab.train`` (the strategies' own come from the catalog)."""
     return {f.name for f in fields(TrainConfig)} - {"options", "first_step", "mesh_names", "mesh_shape", "mesh_reason",
-                                                   "batch_note"}
+                                                   "batch_note", "outer_hub"}
 
 
 # What a continuation (``resume=True``) may change: how long it runs and how it reports.

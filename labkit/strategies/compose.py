@@ -82,6 +82,8 @@ class ParallelModel:
         # Kept by reference: the part fills it, the loop empties it at each run's start.
         self.strategy_results = composition.strategy_results
         self.reference_view = composition.reference_view
+        self.batch_position = composition.batch_position
+        self.finished = composition.finished
         self.autocast = autocast
         self.role = role
         self.backward_watch: Callable[[torch.Tensor], ContextManager[Any]] = lambda loss: contextlib.nullcontext()
@@ -192,6 +194,11 @@ class Composition:
         # For verify: given the single-process parameters by name, what this rank holds of them under
         # its own parameters' names (a parameter server's shard is a slice of them); None: the same names.
         self.reference_view: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None
+        # Which batch a step takes, when a part decides it: step -> (batch number, global batch, share index,
+        # parts) (DiLoCo across sites: the share the hub gave this round); and whether training is over
+        # before the run's steps (the hub has no share left). None: batch ``step``, this rank's data share.
+        self.batch_position: Callable[[int], tuple[int, int, int, int]] | None = None
+        self.finished: Callable[[], bool] | None = None
 
     def uses(self, part: str) -> bool:
         return part in self.parts

@@ -67,6 +67,11 @@ def apply(composition: Composition, replica_mesh: DeviceMesh, config: TrainConfi
     """Wrap the optimizer step with the outer step, on the final parameters."""
     if composition.estimate_only:
         return  # the global copy and momentum are two more copies of the local shards (not estimated)
+    if config.outer_hub is not None:  # a site's share of a run across sites: the hub takes the outer step
+        from labkit.strategies import diloco_sites
+
+        diloco_sites.apply(composition, config)
+        return
     from labkit.strategies.diloco_outer import OuterStep
 
     outer = OuterStep(composition.model, replica_mesh, config.setting(INNER_STEPS), config.setting(OUTER_LR),

@@ -148,6 +148,12 @@ def train_member(spec: dict) -> dict:
     return this_rank().requests.train_member(spec)
 
 
+def diloco_reference(config) -> bytes:
+    """DiLoCo of ``config`` simulated in one process on this rank: the final global weights, float32 bytes in
+    parameter order (the proof of a run across sites)."""
+    return this_rank().requests.diloco_reference(config)
+
+
 def run_script(source: str, path: str, argv: list[str], watch: dict | None, timeout_seconds: float) -> dict:
     """``argv``: the script's ``sys.argv``, its path as typed first; ``watch``: instruments on its loop (None:
     none)."""
