@@ -40,8 +40,8 @@ class Sites:
     def open_line(self, address: str | None, port: int | None, url: str | None, certfile: str | None,
                   keyfile: str | None) -> LineEndpoint:
         cluster = self.session.require_running()
-        if self.endpoint is not None:
-            asked = (address or self._listen[0], port if port is not None else self._listen[1])  # type: ignore[index]
+        if self.endpoint is not None and self._listen is not None:
+            asked = (address or self._listen[0], port if port is not None else self._listen[1])
             if asked != self._listen or url is not None or certfile is not None:
                 raise LabConfigError(f"the lab's line is open already on {self._listen[0]}:{self.endpoint.hub.port}"
                                      " (at " + self.endpoint.url + "): it stays as it is until the lab stops")

@@ -82,6 +82,7 @@ def open_line(cluster, address: str = ANY_ADDRESS, port: int = DEFAULT_PORT, url
         names = [host, socket.gethostname(), *(a for held in ipv4_addresses().values() for a in held)]
         certfile, keyfile = make_certificate(cluster.workdir, names)
         pin = fingerprint(certfile)
+    assert keyfile is not None, "given with certfile, or made with it"
     connection = cluster.engine_connection()
     controller = cluster.plan.controller_address
     targets = {name: (controller, number) for name, number in port_targets(connection).items()}

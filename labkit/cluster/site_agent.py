@@ -21,6 +21,7 @@ without reaching the hub.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import os
@@ -88,8 +89,7 @@ class SiteAgent:
         self.stale_seconds = float(welcome.get("stale_seconds", self.stale_seconds))
         for target in welcome["targets"]:
             if target not in self.local_ports:
-                server = await asyncio.start_server(
-                    lambda reader, writer, target=target: self._accepted(target, reader, writer), LOOPBACK, 0)
+                server = await asyncio.start_server(functools.partial(self._accepted, target), LOOPBACK, 0)
                 self._servers.append(server)
                 self.local_ports[target] = server.sockets[0].getsockname()[1]
         if self.engines:

@@ -122,7 +122,8 @@ class SiteCluster(RankCluster):
 
     def signal(self, ranks, signum: int = signal.SIGINT) -> None:
         """Through the nanny while the controller lists the engine; through the site's agent otherwise."""
-        nanny, direct = [], []
+        nanny: list = []
+        direct: list = []
         for rank in ranks:
             record = self.records.get(rank)
             if record is None:

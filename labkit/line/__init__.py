@@ -6,7 +6,7 @@ engines and ranks exchange with the notebook's host travels as frames of that on
 connection (``frames``, ``session``), which survives short drops (replayed, not
 lost) and is opened again after long ones (``agent_link``). ``token`` is what the
 join line carries, ``tls`` the hub's certificate and how a joining machine checks
-it, ``sync_wire`` the framed messages DiLoCo's outer sync sends over a line stream.
+it; DiLoCo's outer sync frames its messages with ``wire.sync_messages``.
 
 Nothing here imports torch or starts a rank: the cluster (``cluster.site_agent``,
 ``cluster.site_cluster``) and the runs (``runs.site_diloco``) build on it.

@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import secrets
 import threading
 import time
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from labkit.line import token as tokens
 from labkit.line.session import LineSession, abort
@@ -68,9 +70,9 @@ class LineHub:
         self._sessions: dict[str, LineSession] = {}  # by site name
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
-        self._server = None
+        self._server: Any = None  # websockets' Server
         self._expirer: asyncio.Task | None = None
-        self._forwards: dict[tuple[str, int], asyncio.AbstractServer] = {}  # (site, its port) -> local listener
+        self._forwards: dict[tuple[str, int], asyncio.Server] = {}  # (site, its port) -> local listener
         self._guard = threading.Lock()
 
     # -- from the notebook's thread ------------------------------------------------
@@ -218,7 +220,7 @@ class LineHub:
             if session is not None:
                 await self._end(name, f"site {name} joined anew (its earlier line ended)")
             session = LineSession(secrets.token_hex(8), on_open=self._open, first_stream=2,
-                                  on_control=lambda message, site=name: self._from_site(site, message))
+                                  on_control=functools.partial(self._from_site, name))
             with self._guard:
                 self._sessions[name] = session
                 self._links[name] = SiteLink(name, session.label, dict(hello.get("info", {})), time.time())

@@ -174,9 +174,11 @@ def _train(config: TrainConfig, runtime: RankContext) -> RankResult:
         if instruments.stop_agreed(step) or (parallel.finished is not None and parallel.finished()):
             break
         share = parallel.data_share  # a rank that takes no data (a parameter server's server) makes none
-        position = (state.step, config.global_batch, *share) if parallel.batch_position is None or share is None \
-            else parallel.batch_position(state.step)
-        batch = to_device(trainable.share(*position), staging) if share is not None else None
+        batch = None
+        if share is not None:
+            position = (state.step, config.global_batch, *share) if parallel.batch_position is None \
+                else parallel.batch_position(state.step)
+            batch = to_device(trainable.share(*position), staging)
         timer.begin()
         delay = instruments.begin_step(state.step)  # rows count steps from the run's start, across continuations
         optimizer.zero_grad(set_to_none=True)

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import numpy
 
-from labkit.line import sync_wire
+from labkit.wire import sync_messages
 
 
 def round_to_bf16(values: numpy.ndarray) -> numpy.ndarray:
@@ -135,7 +135,7 @@ class OuterHub:
         site_name, holder = None, 0
         try:
             while True:
-                header, payload = await sync_wire.receive_async(reader)
+                header, payload = await sync_messages.receive_async(reader)
                 if header["op"] == "part":
                     parts[header["offset"]] = payload
                     continue
@@ -144,15 +144,15 @@ class OuterHub:
                 site_name, holder = str(header["site"]), int(header["holder"])
                 data, parts = b"".join(parts[offset] for offset in sorted(parts)), {}
                 answer, vector = await self._answer(site_name, holder, header, data)
-                writer.write(sync_wire.encode(answer))
+                writer.write(sync_messages.encode(answer))
                 if vector is not None:
-                    for offset, count, piece in sync_wire.fragments(vector, 2 if answer.get("bf16") else 4):
-                        writer.write(sync_wire.encode({"op": "part", "offset": offset, "count": count}, bytes(piece)))
+                    for offset, count, piece in sync_messages.fragments(vector, 2 if answer.get("bf16") else 4):
+                        writer.write(sync_messages.encode({"op": "part", "offset": offset, "count": count}, bytes(piece)))
                         self._count_out(len(piece))
                         await writer.drain()
-                    writer.write(sync_wire.encode({"op": "end"}))
+                    writer.write(sync_messages.encode({"op": "end"}))
                 await writer.drain()
-        except (sync_wire.SyncWireError, ConnectionError, asyncio.CancelledError, OSError):
+        except (sync_messages.SyncWireError, ConnectionError, asyncio.CancelledError, OSError):
             pass
         finally:
             if site_name is not None and site_name in self.sites:
@@ -218,7 +218,7 @@ class OuterHub:
         if self.round < 0 and len(ready) < len(expected) and time.monotonic() - self.began < self.start_timeout:
             return  # the first round waits for every site the run was started on
         if ready:
-            self._open(ready, {}, {})
+            self._open(ready, {}, frozenset())
 
     def _open(self, candidates: list[str], updates: dict[int, bytes], delivered: set[str] | frozenset = frozenset()):
         """The next round: each candidate takes the next share. One left without a share waits (a share of a
@@ -263,8 +263,9 @@ class OuterHub:
         shares = {name: self.sites[name].share for name in self.participants}
         left_out = [name for name in self.participants if name not in delivered]
         for name in sorted(left_out, key=lambda n: shares[n] or (0, 0), reverse=True):
-            if shares[name] is not None:
-                self.queue.appendleft(shares[name])  # trained by the next site free, before any new share
+            share = shares[name]
+            if share is not None:
+                self.queue.appendleft(share)  # trained by the next site free, before any new share
         order = sorted(delivered, key=lambda n: shares[n] or (0, 0))
         updates = self._outer_step(order) if delivered else {}
         sent = sum(len(update) for update in updates.values()) * len(delivered)

@@ -31,6 +31,7 @@ from labkit.runs.launch import resolve_run
 from labkit.runs.outer_hub import OuterHub, RoundRecord
 from labkit.runs.training_run import TrainingRun
 from labkit.spec.errors import LabConfigError, LabError
+from labkit.strategies.diloco import INNER_STEPS
 from labkit.units import format_bytes
 from labkit.wire import entry
 from labkit.wire.schema import EQUIVALENCE_TOLERANCE
@@ -152,7 +153,7 @@ class SitesRun:
         self.settings, self.inner = dict(settings), inner
         self.configs = {name: self._site_config(name, session, settings, inner) for name, session in self.sessions.items()}
         first = next(iter(self.configs.values()))
-        self.inner_steps = int(first.setting("inner_steps"))
+        self.inner_steps = first.setting(INNER_STEPS)
         if self.steps % self.inner_steps:
             raise LabConfigError(f"across sites every round is {self.inner_steps} inner steps (inner_steps): give "
                                  f"steps as a multiple of it, e.g. {math.ceil(self.steps / self.inner_steps) * self.inner_steps}")
@@ -182,7 +183,7 @@ class SitesRun:
                                  f"{ranks} rank(s) at site {name!r}: give a multiple of {self.replicas * ranks}")
         config = resolve_run(session, {**settings, "strategy": strategy, "global_batch": global_batch}, mesh)
         self.steps = config.steps
-        hub = {"run": "", "key": "", "site": name, "inner_steps": int(config.setting("inner_steps")), "wire": "",
+        hub = {"run": "", "key": "", "site": name, "inner_steps": config.setting(INNER_STEPS), "wire": "",
                "replicas": self.replicas, "timeout": self.timeout}
         # Steps are an upper bound (a site may end up training every share); the hub ends the run sooner.
         bound = config.steps * self.replicas
@@ -251,7 +252,7 @@ class SitesRun:
         if session.world_size != self.configs[name].axis("dp"):  # it came back with another number of ranks
             self.configs[name] = self._site_config(name, session, self.settings, self.inner)
         config = self.configs[name]
-        hub = {**config.outer_hub, "run": self.run_id, "key": self.key, "wire": self.wire}  # type: ignore[dict-item]
+        hub = {**config.outer_hub, "run": self.run_id, "key": self.key, "wire": self.wire}
         config = replace(config, outer_hub=hub)
         session.ready()
         run = TrainingRun(session, config, self.timeout, dashboard=False, background=True)
@@ -362,7 +363,7 @@ class SitesRun:
         by_step: dict[int, list[float]] = {}
         for name, reports in self.reports.items():
             for report in reports:
-                joined = next((r["sites"] for r in report.strategy_results if "sites" in r), [])
+                joined: list[int] = next((r["sites"] for r in report.strategy_results if "sites" in r), [])
                 losses = report.losses
                 for index, round_number in enumerate(joined):
                     record = next((r for r in rounds if r.round == round_number), None)

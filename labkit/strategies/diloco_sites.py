@@ -3,7 +3,7 @@
 A site (a machine that joined over HTTPS) trains as one DiLoCo replica, with ddp or fsdp over its own
 ranks inside it. Every ``inner_steps`` (H) optimizer steps, instead of averaging pseudo-gradients over
 the replica group (``diloco_outer.OuterStep``), the site's *holders* send theirs to the hub over the
-site's line (``line.sync_wire``, through the local end the agent names in ``LABKIT_SITE_SYNC``), and
+site's line (``wire.sync_messages``, through the local end the agent names in ``LABKIT_SITE_SYNC``), and
 get back the outer step's update, which every rank subtracts from its copy of the global weights, as
 the hub does from its own: both copies stay equal to the last bit. Under ddp the site's local rank 0
 is its one holder and shares what it got with the others (a broadcast inside the site); under fsdp
@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from labkit.line import sync_wire
+from labkit.wire import sync_messages
 
 SYNC_VARIABLE = "LABKIT_SITE_SYNC"  # cluster.site_agent sets it on every engine of a site
 
@@ -67,21 +67,21 @@ class HubLink:
         self.hub, self.holder = hub, holder
 
     def ask(self, header: dict, payload: bytes = b"") -> tuple[dict, bytes]:
-        sync_wire.send(self.socket, {**header, "run": self.hub["run"], "key": self.hub["key"],
+        sync_messages.send(self.socket, {**header, "run": self.hub["run"], "key": self.hub["key"],
                                      "site": self.hub["site"], "holder": self.holder}, payload)
-        return sync_wire.receive(self.socket)
+        return sync_messages.receive(self.socket)
 
     def send_vector(self, op: str, data: bytes, item_bytes: int, **extra) -> tuple[dict, bytes]:
         """A vector in fragments, then the end of it; the hub's answer."""
-        for offset, count, piece in sync_wire.fragments(data, item_bytes):
-            sync_wire.send(self.socket, {"op": "part", "offset": offset, "count": count}, bytes(piece))
+        for offset, count, piece in sync_messages.fragments(data, item_bytes):
+            sync_messages.send(self.socket, {"op": "part", "offset": offset, "count": count}, bytes(piece))
         return self.ask({"op": op, **extra})
 
     def receive_vector(self, numel: int, item_bytes: int) -> bytearray:
         """Fragments until the hub's end message; the vector's bytes."""
         data = bytearray(numel * item_bytes)
         while True:
-            header, payload = sync_wire.receive(self.socket)
+            header, payload = sync_messages.receive(self.socket)
             if header["op"] == "end":
                 return data
             start = header["offset"] * item_bytes

@@ -50,7 +50,7 @@ class TaskBoard:
         self._handle: DisplayHandle | None = None
         self._last_draw = 0.0
 
-    def show(self, records, rank_states: dict[int, str]) -> None:
+    def show(self, records, rank_states: dict) -> None:
         if not self.live or time.monotonic() - self._last_draw < REDRAW_SECONDS:
             return  # the queue polls far more often than the board is drawn
         from IPython.display import display
