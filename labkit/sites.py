@@ -56,8 +56,8 @@ class Sites:
         return self.endpoint.hub.sites() if self.endpoint is not None else {}
 
     def names(self) -> list[str]:
-        """The sites with a line now (joined, not gone), by name."""
-        return sorted(name for name, link in self.links().items() if not link.gone)
+        """The sites whose line is up now, by name (one down for a moment is not among them)."""
+        return sorted(name for name, link in self.links().items() if not link.gone and link.connected)
 
     def site_session(self, name: str) -> Session:
         """The session of ``name``'s ranks, formed when first asked for (or when the site joined anew)."""
@@ -91,18 +91,20 @@ class Sites:
                           make_cluster=lambda: SiteCluster(parent, endpoint, name, plan, limits.start_timeout))
         return session
 
-    def wait(self, count: int, timeout: float) -> list[str]:
-        """Until ``count`` sites have joined with every engine they announced running; their names."""
+    def wait(self, count: int, timeout: float, names: list[str] | None = None) -> list[str]:
+        """Until ``count`` sites (or those ``names``) have joined with every engine they announced running; the
+        names of those ready."""
         if isinstance(count, bool) or not isinstance(count, int) or count < 1:
             raise LabConfigError(f"count is how many sites to wait for (1 or more), got {count!r}")
+        wanted = set(names or ())
         if self.endpoint is None:
             raise LabConfigError("the lab has no HTTPS line yet: print its join command first "
                                  "(lab.join_command(https=True), %lab join-command --https)")
         deadline = time.monotonic() + positive_seconds("timeout", timeout)
         while True:
             ready = [name for name, link in self.links().items() if not link.gone and link.connected
-                     and len(link.engines) >= int(link.info.get("ranks", 1))]
-            if len(ready) >= count:
+                     and len(link.engines) >= int(link.info.get("ranks", 1)) and (not wanted or name in wanted)]
+            if len(ready) >= max(count, len(wanted)):
                 return sorted(ready)
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{len(ready)} of {count} site(s) joined within {timeout:g} s: run the join "
@@ -214,9 +216,9 @@ class LabSites:
                        reopen=registry.site_session, **options)
         return run.start_background() if background else run.run()
 
-    def wait_for_sites(self, count: int = 1, timeout: float = 120.0) -> list[str]:
-        """Wait until ``count`` sites have joined with all their engines; their names."""
-        return self._registry().wait(count, timeout)
+    def wait_for_sites(self, count: int = 1, timeout: float = 120.0, names=None) -> list[str]:
+        """Wait until ``count`` sites (or the sites ``names``) have joined with all their engines; their names."""
+        return self._registry().wait(count, timeout, None if names is None else list(names))
 
     def _registry(self) -> Sites:
         if self._sites is None:
