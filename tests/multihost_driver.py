@@ -3,7 +3,8 @@
 Run as a script, it reads one JSON command per line on stdin and answers one
 line on stdout, so a test (outside every namespace) can drive a real ``Lab``
 whose controller listens on that host's address while engines join from the
-others. ``DriverClient`` is that test's side. Also used by ``bench/multihost.py``.
+others. ``DriverClient`` is that test's side. Also used by ``bench/multihost.py`` and, with its "exec"
+command (Python run in the driver, with the lab), by the sites' namespace test.
 """
 
 from __future__ import annotations
@@ -83,6 +84,7 @@ def main() -> None:
     from labkit import Lab
 
     lab = None
+    scope: dict = {}  # what "exec" commands keep between them
     for line in sys.stdin:
         command = json.loads(line)
         name = command.pop("command")
@@ -114,6 +116,11 @@ def main() -> None:
                 answer(ok=True, listening=lab.cluster.listening_addresses())
             elif name == "status":
                 answer(ok=True, status=str(lab.status()), world=lab.world_size)
+            elif name == "exec":  # a few lines of Python with ``lab`` (and what earlier ones made); ``result`` is sent
+                scope.update(lab=lab)
+                exec(command["code"], scope)
+                lab = scope.get("lab", lab)
+                answer(ok=True, result=scope.pop("result", None), seconds=time.monotonic() - began)
             elif name == "stop":
                 lab.stop()
                 answer(ok=True, seconds=time.monotonic() - began)

@@ -21,6 +21,7 @@ without reaching the hub.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
 import logging
@@ -75,6 +76,7 @@ class SiteAgent:
         self.started_at: dict[int, float] = {}
         self.fast_failures: dict[int, int] = {}
         self.exits: dict[int, int] = {}  # pid -> exit code, reported to the hub
+        self.children: dict[int, list] = {}  # engine pid -> the processes it started (psutil), to end with it
         self.connection: dict | None = None
         self.stale_seconds = 1.5
         self.done = asyncio.Event()
@@ -171,8 +173,19 @@ class SiteAgent:
         for process in self.engines.values():
             with _gone():
                 process.wait(STOP_SECONDS)
+            _kill_group(process, signal.SIGKILL)
+            _kill_known(self.children.pop(process.pid, []))  # its nanny, in a session of its own
             self.exits[process.pid] = process.returncode if process.returncode is not None else -9
         self.engines.clear()
+
+    def _note_children(self, process: subprocess.Popen) -> None:
+        """Remember what the engine started (its nanny), to end it with the engine."""
+        import psutil
+
+        if len(self.children.get(process.pid, [])) >= 1:
+            return
+        with contextlib.suppress(psutil.Error):
+            self.children[process.pid] = psutil.Process(process.pid).children(recursive=True)
 
     def _silent(self) -> bool:
         session = self.client.session
@@ -190,9 +203,12 @@ class SiteAgent:
         for local_rank in range(self.ranks):
             process = self.engines.get(local_rank)
             if process is not None and process.poll() is None:
+                self._note_children(process)
                 continue
             if process is not None:
                 code = process.returncode
+                _kill_group(process, signal.SIGKILL)  # what is left of it
+                _kill_known(self.children.pop(process.pid, []))  # its nanny
                 self.exits[process.pid] = code
                 quick = time.monotonic() - self.started_at[local_rank] < FAST_FAILURE_SECONDS
                 self.fast_failures[local_rank] = self.fast_failures.get(local_rank, 0) + 1 if quick else 0
@@ -261,10 +277,23 @@ class _gone:
 
 
 def _kill_group(process: subprocess.Popen, signum: int) -> None:
-    """The engine and its nanny (its own process group), while the engine is not yet reaped."""
-    if process.poll() is None:
+    """The engine and whatever it started in its process group (also after it ended: a group's id is not
+    given to another process while any member is left, so this reaches nothing else)."""
+    with _gone():
+        os.killpg(process.pid, signum)
+
+
+def _kill_known(processes) -> None:
+    """Processes seen as an engine's children (ipyparallel starts its nanny in a session of its own, and a
+    nanny whose engine is gone may hang at its exit on messages it cannot deliver): SIGKILL, if still them."""
+    import psutil
+
+    for child in processes:
         with _gone():
-            os.killpg(process.pid, signum)
+            if child.is_running():  # the same process (psutil compares its start time), not a reused pid
+                child.kill()
+        with contextlib.suppress(psutil.Error):
+            child.wait(STOP_SECONDS)
 
 
 def _own_group_ending_with_us() -> None:

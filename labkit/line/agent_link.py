@@ -25,6 +25,9 @@ from labkit.line.tls import check_pin, client_context
 
 BACKOFF = (0.2, 0.5, 1.0, 2.0, 4.0, 8.0)
 GIVE_UP_SECONDS = 300.0  # a hub unreachable this long is taken for gone: the site leaves, nothing lingers
+# Refused (nothing listens at the hub's address, or the proxy says the hub refused) for longer than the hub
+# keeps a site's session waiting: the lab has stopped, and a lab started anew does not take this token.
+REFUSED_SECONDS = 35.0
 OPEN_SECONDS = 15.0
 log = logging.getLogger("labkit.line")
 
@@ -51,12 +54,17 @@ class LineClient:
     async def run(self) -> None:
         failures = 0
         reached = time.monotonic()  # when the hub last answered (or this began)
+        refused_since: float | None = None  # since when every dial was refused
         while not self.stopped:
             try:
                 websocket, received = await self._connect()
             except LineRefused:
                 raise
             except Exception as error:  # noqa: BLE001 - unreachable, reset, proxy refused: dial again
+                refused_since = refused_since or time.monotonic() if _refused(error) else None
+                if refused_since is not None and time.monotonic() - refused_since > REFUSED_SECONDS:
+                    raise LineRefused(f"nothing has answered at {self.token.url} for {REFUSED_SECONDS:g} s (the "
+                                      "connection is refused): the lab has stopped") from None
                 if time.monotonic() - reached > self.give_up_seconds:
                     raise LineRefused(f"the lab's hub has not answered for {self.give_up_seconds:g} s "
                                       f"({describe(error)}): the lab has stopped, or this machine lost its way out")
@@ -67,7 +75,7 @@ class LineClient:
                 failures += 1
                 await asyncio.sleep(pause)
                 continue
-            failures = 0
+            failures, refused_since = 0, None
             assert self.session is not None
             await self.session.attach(websocket, received)
             reached = time.monotonic()
@@ -113,6 +121,14 @@ class LineClient:
         self.stopped = True
         if self.session is not None:
             await self.session.close()
+
+
+def _refused(error: BaseException) -> bool:
+    """The hub's machine answered that nothing listens there (directly, or through the proxy)."""
+    if isinstance(error, ConnectionRefusedError):
+        return True
+    status = getattr(getattr(error, "response", None), "status_code", None)
+    return status in (502, 503)  # a proxy's "bad gateway": it could not connect to the hub
 
 
 def describe(error: BaseException) -> str:
