@@ -31,6 +31,8 @@ _EXPORTS = {
     "this_rank": "labkit.wire.entry",
     "torchrun": "labkit.runs.torchrun",
     "TaskFailed": "labkit.runs.task_results",
+    "SitesReport": "labkit.runs.site_diloco",
+    "SitesRun": "labkit.runs.site_diloco",
     "TorchrunFailed": "labkit.runs.torchrun",
     "StopRequested": "labkit.rank.instruments.loop_watch",
     "log": "labkit.loop_marks",
