@@ -31,7 +31,7 @@ _EXPORTS = {
     "this_rank": "labkit.wire.entry",
     "torchrun": "labkit.runs.torchrun",
     "TaskFailed": "labkit.runs.task_results",
-    "SitesReport": "labkit.runs.site_diloco",
+    "SitesReport": "labkit.views.sites_report",
     "SitesRun": "labkit.runs.site_diloco",
     "TorchrunFailed": "labkit.runs.torchrun",
     "StopRequested": "labkit.rank.instruments.loop_watch",

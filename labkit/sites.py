@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from labkit.cluster.line_endpoint import ANY_ADDRESS, DEFAULT_EXPIRY, DEFAULT_PORT, LineEndpoint, open_line
 from labkit.cluster.placement import plan_ranks
-from labkit.cluster.site_cluster import SITE_LAUNCHER, SiteCluster
+from labkit.cluster.site_cluster import SITE_LAUNCHER, SiteCluster, registered_engines
 from labkit.session import Session
 from labkit.spec.errors import LabConfigError
 from labkit.units import parse_seconds, positive_seconds
@@ -92,8 +92,8 @@ class Sites:
         return session
 
     def wait(self, count: int, timeout: float, names: list[str] | None = None) -> list[str]:
-        """Until ``count`` sites (or those ``names``) have joined with every engine they announced running; the
-        names of those ready."""
+        """Until ``count`` sites (or those ``names``) have joined with every engine they announced registered with
+        the lab's controller; the names of those ready."""
         if isinstance(count, bool) or not isinstance(count, int) or count < 1:
             raise LabConfigError(f"count is how many sites to wait for (1 or more), got {count!r}")
         wanted = set(names or ())
@@ -102,8 +102,10 @@ class Sites:
                                  "(lab.join_command(https=True), %lab join-command --https)")
         deadline = time.monotonic() + positive_seconds("timeout", timeout)
         while True:
+            parent = self.session.require_running()
             ready = [name for name, link in self.links().items() if not link.gone and link.connected
-                     and len(link.engines) >= int(link.info.get("ranks", 1)) and (not wanted or name in wanted)]
+                     and (not wanted or name in wanted)
+                     and len(registered_engines(parent, name, link.session)) >= int(link.info.get("ranks", 1))]
             if len(ready) >= max(count, len(wanted)):
                 return sorted(ready)
             if time.monotonic() > deadline:

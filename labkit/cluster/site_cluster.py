@@ -29,6 +29,16 @@ SITE_LAUNCHER = LauncherChoice("site", object)  # no launcher: the site's agent 
 POLL_SECONDS = 0.05
 
 
+def registered_engines(parent: RankCluster, site: str, line_session: str) -> list[int]:
+    """The engines of ``site`` (come over that line session) that the lab's controller has registered now."""
+    if parent.client is None:
+        return []
+    found = engines.describe(parent, [engine for engine in parent.client.ids if engine not in parent.retired_engines
+                                      and engine not in parent.engine_of.values()])
+    return sorted(engine for engine, info in found.items() if engines.site_of(info["slot"]) == site
+                  and engines.line_session_of(info["slot"]) == line_session)
+
+
 class SiteCluster(RankCluster):
     def __init__(self, parent: RankCluster, endpoint, name: str, plan: RankPlan, start_timeout: float):
         super().__init__(plan, start_timeout=start_timeout, launcher=SITE_LAUNCHER)

@@ -21,11 +21,12 @@ import secrets
 import statistics
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING, Callable
 
 import numpy
 
+from labkit.cluster.site_cluster import registered_engines
 from labkit.line.targets import SYNC
 from labkit.runs.launch import resolve_run
 from labkit.runs.outer_hub import OuterHub, RoundRecord
@@ -33,6 +34,7 @@ from labkit.runs.training_run import TrainingRun
 from labkit.spec.errors import LabConfigError, LabError
 from labkit.strategies.diloco import INNER_STEPS
 from labkit.units import format_bytes
+from labkit.views.sites_report import SitesReport
 from labkit.wire import entry
 
 if TYPE_CHECKING:
@@ -42,81 +44,6 @@ WIRES = ("bf16", "fp32")
 INNERS = ("ddp", "fsdp")
 POLL_SECONDS = 0.2
 START_SECONDS = 120.0  # the first round waits this long for every site to say hello
-# verify's bound, relative to the largest weight: the sites' ddp sums gradients in other orders than one process,
-# and the hub computes the mean and the outer step in numpy, operation by operation, where torch fuses some.
-SITES_TOLERANCE = 1e-4
-
-
-@dataclass
-class SitesReport:
-    """What a DiLoCo run across sites did: its rounds, each site's part, the bytes through the hub, the proof."""
-
-    sites: list[str]
-    replicas: int
-    inner_steps: int
-    wire: str
-    rounds: list[RoundRecord]
-    losses: list[float]  # per global step: the mean over the sites that trained it (as DiLoCo on one machine)
-    model_bytes: int  # the model's float32 bytes
-    seconds: float
-    events: list[str] = field(default_factory=list)
-    weights: dict[int, numpy.ndarray] = field(default_factory=dict)  # the hub's global weights, by holder
-    layouts: dict[int, list] = field(default_factory=dict)  # holder -> (parameter name, shape) of its vector
-    verify_difference: float | None = None
-
-    def model_state(self) -> dict[str, numpy.ndarray]:
-        """The trained model (the hub's global weights) by parameter name, as numpy arrays (``torch.from_numpy``
-        makes tensors of them). Sites of ddp hold the model whole; under fsdp ask a site: lab.site(name).model_state()."""
-        if len(self.weights) != 1:
-            raise LabError("the sites sharded the model (inner='fsdp'): lab.site(name).model_state() gathers it")
-        flat, state, offset = self.weights[0], {}, 0
-        for name, shape in self.layouts[0]:
-            count = int(numpy.prod(shape)) if shape else 1
-            state[name] = flat[offset:offset + count].reshape(shape).copy()
-            offset += count
-        return state
-
-    @property
-    def hub_bytes_per_round(self) -> float:
-        """Pseudo-gradients in and updates out, per full round (every site in it), through the hub."""
-        full = [r.bytes_in + r.bytes_out for r in self.rounds if len(r.used) == len(self.sites) and r.used]
-        return statistics.fmean(full) if full else 0.0
-
-    @property
-    def wire_bytes_per_number(self) -> int:
-        return 2 if self.wire == "bf16" else 4
-
-    @property
-    def equivalent(self) -> bool | None:
-        """Whether the hub's weights are one-process DiLoCo's (with ``verify``), within ``SITES_TOLERANCE``."""
-        return None if self.verify_difference is None else self.verify_difference <= SITES_TOLERANCE
-
-    @property
-    def final_loss(self) -> float | None:
-        return self.losses[-1] if self.losses else None
-
-    def summary_lines(self) -> list[str]:
-        full = 2 * len(self.sites) * self.model_bytes * self.wire_bytes_per_number // 4
-        lines = [f"DiLoCo across {len(self.sites)} sites ({', '.join(self.sites)}): {len(self.rounds)} rounds of "
-                 f"{self.inner_steps} inner steps in {self.seconds:.1f} s, {self.wire} on the wire"]
-        if self.losses:
-            lines.append(f"loss {self.losses[0]:.4f} -> {self.losses[-1]:.4f}")
-        lines.append(f"through the hub per round: {format_bytes(self.hub_bytes_per_round)} (2 x sites x model = "
-                     f"{format_bytes(full)} in {self.wire})")
-        left = [f"round {r.round}: {', '.join(r.left_out)}" for r in self.rounds if r.left_out]
-        if left:
-            lines.append("left out (their shares requeued): " + "; ".join(left))
-        if self.verify_difference is not None:
-            same = "equal" if self.equivalent else "NOT equal"
-            lines.append(f"against one-process DiLoCo of {self.replicas} replicas: largest relative difference of a "
-                         f"weight {self.verify_difference:.1e} ({same} within {SITES_TOLERANCE:.0e})")
-        return lines + self.events
-
-    def __str__(self) -> str:
-        return "\n".join(self.summary_lines())
-
-    def _repr_pretty_(self, printer, cycle) -> None:
-        printer.text(str(self))
 
 
 def check_request(strategy: str, inner: str, wire: str, quorum, round_timeout, settings: dict,
@@ -333,8 +260,9 @@ class SitesRun:
             if not self.runs[name].done or self.reopen is None:
                 continue  # its failed run is still winding down
             link = self.hub.sites().get(name)
-            if link is None or link.gone or not link.connected or len(link.engines) < int(link.info.get("ranks", 1)):
-                continue
+            if link is None or link.gone or not link.connected or \
+                    len(registered_engines(self.lab.require_running(), name, link.session)) < int(link.info.get("ranks", 1)):
+                continue  # its engines have not all registered yet
             try:
                 session = self.reopen(name)  # formed anew if the site joined anew
                 if session.world_size != self.sessions[name].world_size and self.inner == "fsdp":
