@@ -103,3 +103,22 @@ def test_run_and_cell_take_the_watching_switches_before_the_script():
     assert script == ["train.py", "--dashboard"]  # after the script, its own arguments
     cell = cell_parser().parse_args(["--instruments", "--ranks", "1"])
     assert cell.instruments and not cell.dashboard and not cell.background and cell.ranks == [1]
+
+
+def test_join_command_reads_its_https_options_and_the_cell_magic_a_site():
+    options = join_parser().parse_args(["--https", "--port", "0", "--address", "127.0.0.1", "--ranks", "2",
+                                        "--expires", "30m"])
+    assert (options.https, options.port, options.address, options.ranks, options.expires) == \
+        (True, 0, "127.0.0.1", 2, "30m")
+    plain = join_parser().parse_args([])
+    assert plain.https is False and plain.expires == "1h" and plain.port is None
+    assert cell_parser().parse_args(["--site", "home", "--ranks", "0"]).site == "home"
+
+
+def test_an_https_option_without_https_is_refused_saying_to_add_it():
+    from IPython.core.error import UsageError
+
+    from labkit.magics.network import join_command_line
+
+    with pytest.raises(UsageError, match="--port is for a site that joins over HTTPS: add --https"):
+        join_command_line(None, join_parser().parse_args(["--port", "9000"]))  # refused before the lab is asked
