@@ -94,13 +94,6 @@ class SiteProcess:
         self.process = network.popen(network.site_host(site), argv, stdout=open(self.log, "w"),
                                      stderr=subprocess.STDOUT, env=env)
 
-    def family(self) -> list[psutil.Process]:
-        try:
-            agent = psutil.Process(self.process.pid)
-            return [agent, *agent.children(recursive=True)]
-        except psutil.NoSuchProcess:
-            return []
-
     def kill(self) -> None:
         if self.process.poll() is None:
             os.killpg(self.process.pid, signal.SIGKILL)
