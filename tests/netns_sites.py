@@ -6,7 +6,8 @@ a firewall that, like NAT, lets no connection in, and lets out only TCP to the h
 (there is no address translation: the firewall alone decides who reaches whom); the sites in
 ``proxied`` may not even do that: their one way out is an HTTP CONNECT proxy (Debian's
 tinyproxy, on a host of its own), which in turn may open only the hub's HTTPS port. Each site's
-link is shaped (tc netem: delay and rate, both directions)::
+link is shaped (tc netem: delay and rate, both directions; where the kernel has no netem, tbf
+limits the rate alone and ``links`` says the delay is missing)::
 
     with SiteNetwork(sites=3, proxied=(3,)) as network:
         hub = network.popen(network.hub_host, [sys.executable, "server.py", network.hub_address])
@@ -21,8 +22,11 @@ check one connection of its own the way ``check_isolation`` checks them all.
 Round-trip times: every packet through a site's link waits ``delay`` once, so site <-> hub and
 site <-> proxy take 2 x delay (80 ms by default), a proxied site -> proxy -> hub too (the
 proxy's and the hub's own links are not shaped); each direction of a site's link carries at
-most ``rate`` on its own. ``delay=None, rate=None`` leaves the links unshaped (for kernels
-without netem). Addresses: hub 198.18.0.1, site i 198.18.0.(i+1), proxy after the last site.
+most ``rate`` on its own. ``delay=None, rate=None`` leaves the links unshaped. ``links`` says in
+words what the links are. Addresses: hub 198.18.0.1, site i 198.18.0.(i+1), proxy after the last site.
+
+``firewall="off"`` builds the same hosts and links with no firewall at all: a flat network, where
+every host reaches every other (what torch.distributed across the sites would need), for comparisons.
 
 The firewall is nftables (one ``nft -f`` ruleset per host), or iptables-restore where nft is
 missing. Everything lives in namespaces and a temporary folder; ``close()`` (also on a
@@ -76,6 +80,39 @@ def run_checked(argv: list[str], what: str) -> str:
     return done.stdout
 
 
+def _probe_qdisc(namespace: str, qdisc: list[str]) -> bool:
+    try:
+        run_checked(["tc", "-n", namespace, "qdisc", "add", "dev", "lo", "root", *qdisc], "adding a qdisc")
+    except NetnsError:
+        return False
+    run_checked(["tc", "-n", namespace, "qdisc", "del", "dev", "lo", "root"], "removing a qdisc")
+    return True
+
+
+# tbf's bucket: at least one packet of 64 kB (what veth's offloads hand it at once), and a queue of
+# 400 ms at the rate before it drops, as a home router's buffer would.
+TBF = ["burst", "64kb", "latency", "400ms"]
+
+
+@functools.cache
+def shaping_kind() -> str | None:
+    """How this kernel can shape a link: 'netem' (delay and rate), 'tbf' (rate only), or None."""
+    if os.geteuid() != 0 or shutil.which("tc") is None or netns_unavailable() is not None:
+        return None
+    probe = f"{PREFIX}-{os.getpid()}-{secrets.token_hex(2)}-qdisc"
+    try:
+        ip("netns", "add", probe)
+        ip("-n", probe, "link", "set", "lo", "up")
+        if _probe_qdisc(probe, ["netem", "delay", "1ms", "rate", "1mbit"]):
+            return "netem"
+        return "tbf" if _probe_qdisc(probe, ["tbf", "rate", "1mbit", *TBF]) else None
+    except NetnsError:
+        return None
+    finally:
+        with contextlib.suppress(NetnsError):
+            ip("netns", "del", probe)
+
+
 @functools.cache
 def site_network_unavailable(shaping: bool = True) -> str | None:
     """None when a SiteNetwork can be built here (with shaped links unless ``shaping=False``);
@@ -123,11 +160,17 @@ class SiteNetwork:
                  *, firewall: str = "auto"):
         if sites < 1 or not set(proxied) <= set(range(1, sites + 1)):
             raise ValueError(f"need sites >= 1 and proxied among 1..{sites}, not {sites}, {proxied}")
-        if firewall not in ("auto", "nft", "iptables"):
-            raise ValueError(f"firewall is 'auto', 'nft' or 'iptables', not {firewall!r}")
+        if firewall not in ("auto", "nft", "iptables", "off"):
+            raise ValueError(f"firewall is 'auto', 'nft', 'iptables' or 'off', not {firewall!r}")
         self.sites, self.proxied = sites, tuple(sorted(set(proxied)))
         self.https_port, self.proxy_port = https_port, proxy_port
         self.delay, self.rate = delay, rate
+        # What the kernel can do decides what the links get: without netem, tbf keeps the rate and no delay.
+        self.shaper = shaping_kind() if (delay or rate) else None
+        if self.shaper != "netem":
+            self.delay = None
+        if self.shaper is None:
+            self.rate = None
         self.probe_port = PROBE_PORT if PROBE_PORT not in (https_port, proxy_port) else 15555
         self.firewall = firewall_tool() if firewall == "auto" else firewall
         self.hosts = NetnsHosts(count=1 + sites + (1 if self.proxied else 0))
@@ -156,10 +199,10 @@ class SiteNetwork:
     def _build(self) -> None:
         if self.firewall is None:
             raise NetnsError("neither nft nor iptables-restore is installed")
-        for host in range(self.hosts.count):
+        for host in range(self.hosts.count if self.firewall != "off" else 0):
             rules_file = self.folder / f"firewall-{self.host_name(host)}"
             load_firewall(self.hosts.command(host, []), self._rules(host), self.firewall, rules_file)
-        if self.delay or self.rate:
+        if self.shaper is not None and (self.delay or self.rate):
             for site in range(1, self.sites + 1):
                 self._shape(self.site_host(site))
         if self.proxied:
@@ -180,7 +223,10 @@ class SiteNetwork:
 
     def _shape(self, host: int) -> None:
         # The host's own end delays and limits what it sends; the bridge's end what it receives.
-        shaping = ["netem"] + (["delay", self.delay] if self.delay else []) + (["rate", self.rate] if self.rate else [])
+        if self.shaper == "netem":
+            shaping = ["netem"] + (["delay", self.delay] if self.delay else []) + (["rate", self.rate] if self.rate else [])
+        else:
+            shaping = ["tbf", "rate", self.rate, *TBF]
         for namespace, device in ((self.hosts.names[host], self.hosts.interface(host)),
                                   (self.hosts.bridge_namespace, self.hosts.bridge_interface(host))):
             run_checked(["tc", "-n", namespace, "qdisc", "add", "dev", device, "root", *shaping],
@@ -209,6 +255,15 @@ class SiteNetwork:
                              f"(exit {self.proxy_process.poll()}): {said}")
 
     # -- where things are -----------------------------------------------------------------------
+
+    @property
+    def links(self) -> str:
+        """What each site's link is, in words: its delay and rate, or why one is missing."""
+        if self.shaper is None:
+            return "unshaped"
+        said = [f"{self.delay} delay each way" if self.delay else "", f"{self.rate} each way" if self.rate else ""]
+        text = ", ".join(part for part in said if part) or "unshaped"
+        return text + (" (tc tbf: this kernel has no netem, so no delay)" if self.shaper == "tbf" else " (tc netem)")
 
     @property
     def hub_address(self) -> str:
@@ -369,3 +424,26 @@ class SiteNetwork:
             if self.folder is not None:
                 shutil.rmtree(self.folder, ignore_errors=True)
 
+
+class SiteProcess:
+    """The lab's HTTPS join command run inside one site host (its own process group), as ``name`` with
+    ``ranks`` ranks, through the proxy where the site is proxied; its output goes to ``log_dir/NAME.log``."""
+
+    def __init__(self, network: SiteNetwork, site: int, command: str, name: str, ranks: int, cafile: str | None,
+                 log_dir: Path) -> None:
+        self.network, self.site, self.name = network, site, name
+        self.log = log_dir / f"{name}.log"
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        for variable in ("HTTPS_PROXY", "https_proxy", "NO_PROXY", "no_proxy"):
+            env.pop(variable, None)
+        if site in network.proxied:
+            env["https_proxy"] = network.proxy_url  # the one way out of this host
+        argv = [sys.executable, "-m", "labkit", "join", command.split()[-1], "--ranks", str(ranks), "--name", name,
+                *(["--cafile", cafile] if cafile else [])]  # without a CA: the lab's own certificate, pinned
+        self.process = network.popen(network.site_host(site), argv, stdout=open(self.log, "w"),
+                                     stderr=subprocess.STDOUT, env=env)
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait(10)

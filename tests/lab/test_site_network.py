@@ -14,14 +14,15 @@ import psutil
 import pytest
 
 from tests.netns_hosts import NetnsError, list_namespaces
-from tests.netns_sites import SiteNetwork, remove_stale_sites, site_network_unavailable
+from tests.netns_sites import SiteNetwork, remove_stale_sites, shaping_kind, site_network_unavailable
 from tests.site_firewall import firewall_tool
 
 if (reason := site_network_unavailable(shaping=False)) is not None:
     pytest.skip(reason, allow_module_level=True)
 
 SHAPING_UNAVAILABLE = site_network_unavailable()   # None where netem works
-needs_netem = pytest.mark.skipif(SHAPING_UNAVAILABLE is not None, reason=f"links unshaped: {SHAPING_UNAVAILABLE}")
+needs_netem = pytest.mark.skipif(SHAPING_UNAVAILABLE is not None, reason=f"no delay on the links: {SHAPING_UNAVAILABLE}")
+needs_rate = pytest.mark.skipif(shaping_kind() is None, reason="links unshaped: this kernel has neither netem nor tbf")
 DELAY_S, RATE_BYTES_S = 0.040, 50e6 / 8           # SiteNetwork's defaults: 40ms, 50mbit
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -65,8 +66,7 @@ else:
 
 @pytest.fixture(scope="module")
 def network():
-    shaping = {} if SHAPING_UNAVAILABLE is None else {"delay": None, "rate": None}
-    with SiteNetwork(sites=3, proxied=(3,), **shaping) as made:
+    with SiteNetwork(sites=3, proxied=(3,)) as made:   # netem where the kernel has it, else tbf: rate only
         yield made
 
 
@@ -125,11 +125,18 @@ def test_a_cut_site_cannot_reach_the_hub_until_restored(network):
         assert all("netem" in shown for shown in qdiscs(network, site1))
 
 
-@needs_netem
+@needs_rate
 def test_both_ends_of_each_site_link_are_shaped(network):
     for site in (1, 2, 3):
         for shown in qdiscs(network, network.site_host(site)):
-            assert "netem" in shown and "delay 40ms" in shown and "rate 50Mbit" in shown, shown
+            if network.shaper == "netem":
+                assert "netem" in shown and "delay 40ms" in shown and "rate 50Mbit" in shown, shown
+            else:
+                assert "tbf" in shown and "rate 50Mbit" in shown, shown
+    if network.shaper == "netem":
+        assert network.links == "40ms delay each way, 50mbit each way (tc netem)"
+    else:
+        assert network.links == "50mbit each way (tc tbf: this kernel has no netem, so no delay)"
 
 
 def qdiscs(network, host) -> list[str]:
@@ -152,7 +159,7 @@ def test_connect_time_is_the_round_trip(network):
     assert rtt <= connect_s < rtt + 0.050
 
 
-@needs_netem
+@needs_rate
 @pytest.mark.parametrize("direction", ["upload", "download"])
 def test_bulk_transfer_runs_near_the_rate(network, direction):
     size, hub, site = 6 << 20, network.hub_host, network.site_host(1)
@@ -172,6 +179,17 @@ def test_bulk_transfer_runs_near_the_rate(network, direction):
     rate = float(out if direction == "upload" else client.stdout)
     print(f"{direction} of {size >> 20} MB: {rate * 8 / 1e6:.1f} Mbit/s (configured 50 Mbit/s)")
     assert 0.5 * RATE_BYTES_S <= rate <= 1.2 * RATE_BYTES_S
+
+
+def test_a_flat_network_has_the_same_links_and_no_firewall():
+    with SiteNetwork(sites=2, proxied=(), firewall="off") as flat:
+        # what the firewalled network refuses, a flat one lets through: site to site, any port of the hub
+        with flat.listening({flat.site_host(2): [flat.probe_port], flat.hub_host: [flat.probe_port]}):
+            assert flat.reaches(flat.site_host(1), flat.site_host(2), flat.probe_port)
+            assert flat.reaches(flat.site_host(1), flat.hub_host, flat.probe_port)
+        assert flat.proxy_host is None
+        if flat.shaper is not None:
+            assert all("rate 50Mbit" in shown for shown in qdiscs(flat, flat.site_host(1)))
 
 
 def test_close_leaves_nothing():

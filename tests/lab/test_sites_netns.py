@@ -19,10 +19,7 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
-import os
-import signal
 import subprocess
-import sys
 import time
 
 import psutil
@@ -31,7 +28,7 @@ import pytest
 from labkit.line.agent_link import REFUSED_SECONDS
 from tests.multihost_driver import DriverClient
 from tests.netns_hosts import ip
-from tests.netns_sites import SiteNetwork, site_network_unavailable
+from tests.netns_sites import SiteNetwork, SiteProcess, site_network_unavailable
 
 UNAVAILABLE = site_network_unavailable(shaping=False)
 pytestmark = [pytest.mark.lab, pytest.mark.skipif(UNAVAILABLE is not None, reason=f"site network: {UNAVAILABLE}")]
@@ -77,36 +74,14 @@ def make_authority(folder) -> tuple[str, str, str]:
     return paths[0], paths[1], paths[2]
 
 
-class SiteProcess:
-    """A join command inside one site host (its own process group)."""
-
-    def __init__(self, network: SiteNetwork, site: int, command: str, name: str, ranks: int, cafile: str,
-                 log_dir) -> None:
-        self.network, self.site, self.name = network, site, name
-        self.log = log_dir / f"{name}.log"
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        for variable in ("HTTPS_PROXY", "https_proxy", "NO_PROXY", "no_proxy"):
-            env.pop(variable, None)
-        if site in network.proxied:
-            env["https_proxy"] = network.proxy_url  # the one way out of this host
-        argv = [sys.executable, "-m", "labkit", "join", command.split()[-1], "--ranks", str(ranks), "--name", name,
-                "--cafile", cafile]
-        self.process = network.popen(network.site_host(site), argv, stdout=open(self.log, "w"),
-                                     stderr=subprocess.STDOUT, env=env)
-
-    def kill(self) -> None:
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGKILL)
-        self.process.wait(10)
-
-
 def namespace_pids(network: SiteNetwork, host: int) -> list[int]:
     return [int(pid) for pid in ip("netns", "pids", network.namespace(host)).split()]
 
 
 def test_sites_behind_https_only_firewalls_and_a_proxy_run_tasks_ensembles_and_fused_diloco(tmp_path):
-    shaped = {} if site_network_unavailable(shaping=True) is None else dict(delay=None, rate=None)
-    with SiteNetwork(sites=3, proxied=(3,), https_port=HTTPS_PORT, **shaped) as network:
+    # 40 ms each way and 50 Mbit/s where the kernel has netem; else tbf keeps the rate alone (network.links)
+    with SiteNetwork(sites=3, proxied=(3,), https_port=HTTPS_PORT) as network:
+        print(f"site links: {network.links}")
         isolation = network.check_isolation()
         assert isolation == network.expected_isolation()  # before the lab: nothing but HTTPS to the hub gets out
         cafile, certfile, keyfile = make_authority(tmp_path)
