@@ -72,6 +72,8 @@ def decode(text: str) -> LineToken:
         token = LineToken(url=fields["url"], lab=fields["lab"], secret=fields["secret"],
                           expires=float(fields["expires"]), pin=fields.get("pin"))
         bytes.fromhex(token.secret)
+        if not all(isinstance(value, str) for value in (token.url, token.lab)):
+            raise TypeError("the url and the lab are text")
     except (ValueError, KeyError, TypeError, UnicodeError, binascii.Error):
         raise LabConfigError("this is not a whole join token of a lab's HTTPS line: copy the whole command that "
                              "%lab join-command --https (lab.join_command(https=True)) printed") from None

@@ -51,9 +51,19 @@ def _exactly(connection: socket.socket, count: int) -> bytes:
     return b"".join(pieces)
 
 
+def _header(text: bytes) -> dict:
+    try:
+        header = json.loads(text)
+    except ValueError:
+        raise SyncWireError("a sync message's header is not JSON") from None
+    if not isinstance(header, dict):
+        raise SyncWireError("a sync message's header is not a JSON object")
+    return header
+
+
 def receive(connection: socket.socket) -> tuple[dict, bytes]:
     size, payload = _decode_header(_exactly(connection, LENGTHS.size))
-    return json.loads(_exactly(connection, size)), _exactly(connection, payload)
+    return _header(_exactly(connection, size)), _exactly(connection, payload)
 
 
 async def receive_async(reader) -> tuple[dict, bytes]:
@@ -61,7 +71,7 @@ async def receive_async(reader) -> tuple[dict, bytes]:
 
     try:
         size, payload = _decode_header(await reader.readexactly(LENGTHS.size))
-        header = json.loads(await reader.readexactly(size))
+        header = _header(await reader.readexactly(size))
         return header, await reader.readexactly(payload)
     except asyncio.IncompleteReadError:
         raise SyncWireError("a site closed the outer sync's stream") from None
