@@ -7,7 +7,8 @@ a firewall that, like NAT, lets no connection in, and lets out only TCP to the h
 ``proxied`` may not even do that: their one way out is an HTTP CONNECT proxy (Debian's
 tinyproxy, on a host of its own), which in turn may open only the hub's HTTPS port. Each site's
 link is shaped (tc netem: delay and rate, both directions; where the kernel has no netem, tbf
-limits the rate alone and ``links`` says the delay is missing)::
+limits the rate and ``tests/link_delay.py`` holds arriving packets in user space for the delay,
+through NFQUEUE rules; ``links`` says which)::
 
     with SiteNetwork(sites=3, proxied=(3,)) as network:
         hub = network.popen(network.hub_host, [sys.executable, "server.py", network.hub_address])
@@ -89,6 +90,14 @@ def _probe_qdisc(namespace: str, qdisc: list[str]) -> bool:
     return True
 
 
+def milliseconds(span: str) -> float:
+    """'40ms', '0.5s' or '200us' (tc's spellings) in milliseconds."""
+    for unit, scale in (("ms", 1.0), ("us", 1e-3), ("s", 1000.0)):
+        if span.endswith(unit):
+            return float(span[:-len(unit)]) * scale
+    raise ValueError(f"a delay is like '40ms', not {span!r}")
+
+
 # tbf's bucket: at least one packet of 64 kB (what veth's offloads hand it at once), and a queue of
 # 400 ms at the rate before it drops, as a home router's buffer would.
 TBF = ["burst", "64kb", "latency", "400ms"]
@@ -96,7 +105,8 @@ TBF = ["burst", "64kb", "latency", "400ms"]
 
 @functools.cache
 def shaping_kind() -> str | None:
-    """How this kernel can shape a link: 'netem' (delay and rate), 'tbf' (rate only), or None."""
+    """How this machine can shape a link: 'netem' (delay and rate in the kernel), 'tbf+nfqueue' (tbf's rate,
+    and delay by holding packets in user space: ``tests/link_delay.py``), 'tbf' (rate only), or None."""
     if os.geteuid() != 0 or shutil.which("tc") is None or netns_unavailable() is not None:
         return None
     probe = f"{PREFIX}-{os.getpid()}-{secrets.token_hex(2)}-qdisc"
@@ -105,7 +115,14 @@ def shaping_kind() -> str | None:
         ip("-n", probe, "link", "set", "lo", "up")
         if _probe_qdisc(probe, ["netem", "delay", "1ms", "rate", "1mbit"]):
             return "netem"
-        return "tbf" if _probe_qdisc(probe, ["tbf", "rate", "1mbit", *TBF]) else None
+        if not _probe_qdisc(probe, ["tbf", "rate", "1mbit", *TBF]):
+            return None
+        try:
+            run_checked(["ip", "netns", "exec", probe, "iptables", "-t", "mangle", "-A", "PREROUTING", "-s",
+                         "192.0.2.1", "-j", "NFQUEUE", "--queue-num", "1", "--queue-bypass"], "adding an NFQUEUE rule")
+        except NetnsError:
+            return "tbf"
+        return "tbf+nfqueue"
     except NetnsError:
         return None
     finally:
@@ -167,7 +184,7 @@ class SiteNetwork:
         self.delay, self.rate = delay, rate
         # What the kernel can do decides what the links get: without netem, tbf keeps the rate and no delay.
         self.shaper = shaping_kind() if (delay or rate) else None
-        if self.shaper != "netem":
+        if self.shaper not in ("netem", "tbf+nfqueue"):
             self.delay = None
         if self.shaper is None:
             self.rate = None
@@ -178,6 +195,7 @@ class SiteNetwork:
         self.proxy_host = sites + 1 if self.proxied else None
         self.proxy_process: subprocess.Popen | None = None
         self.folder: Path | None = None   # the rulesets and tinyproxy's config, log, pid file
+        self.delayers: dict[int, subprocess.Popen] = {}  # host -> its link_delay.py, where netem is missing
         self._closed = False
 
     # -- building ------------------------------------------------------------------------------
@@ -205,6 +223,9 @@ class SiteNetwork:
         if self.shaper is not None and (self.delay or self.rate):
             for site in range(1, self.sites + 1):
                 self._shape(self.site_host(site))
+        if self.shaper == "tbf+nfqueue" and self.delay:
+            for host in range(self.hosts.count):
+                self._hold_arrivals(host)
         if self.proxied:
             self._start_proxy()
             self._wait_for_proxy()
@@ -231,6 +252,33 @@ class SiteNetwork:
                                   (self.hosts.bridge_namespace, self.hosts.bridge_interface(host))):
             run_checked(["tc", "-n", namespace, "qdisc", "add", "dev", device, "root", *shaping],
                         f"shaping {self.host_name(host)}'s link")
+
+    def _link_delay_ms(self, host: int) -> float:
+        return milliseconds(self.delay) if 1 <= host <= self.sites else 0.0
+
+    def _hold_arrivals(self, host: int) -> None:
+        """Without netem: hold what arrives at ``host`` from each other host for the delays of both links it
+        crossed (``tests/link_delay.py``, one queue per delay), as netem on both ends of each link would."""
+        by_delay: dict[float, list[int]] = {}
+        for source in range(self.hosts.count):
+            total = self._link_delay_ms(host) + self._link_delay_ms(source)
+            if source != host and total > 0:
+                by_delay.setdefault(total, []).append(source)
+        if not by_delay:
+            return
+        queues = {queue: delay for queue, delay in enumerate(sorted(by_delay), start=1)}
+        self.delayers[host] = self.popen(host, [sys.executable, str(Path(__file__).with_name("link_delay.py")),
+                                                *(f"{queue}:{delay:g}" for queue, delay in queues.items())],
+                                         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE)
+        if read_line(self.delayers[host], HELPER_TIMEOUT) != b"ready\n":
+            raise NetnsError(f"the link delay of {self.host_name(host)} did not start "
+                             f"(exit {self.delayers[host].poll()})")
+        for queue, delay in queues.items():
+            for source in by_delay[delay]:
+                run_checked(self.command(host, ["iptables", "-t", "mangle", "-A", "PREROUTING", "-s",
+                                                self.hosts.address(source), "-j", "NFQUEUE", "--queue-num",
+                                                str(queue), "--queue-bypass"]),
+                            f"holding what {self.host_name(host)} gets from {self.host_name(source)}")
 
     def _start_proxy(self) -> None:
         folder = self.folder
@@ -263,7 +311,9 @@ class SiteNetwork:
             return "unshaped"
         said = [f"{self.delay} delay each way" if self.delay else "", f"{self.rate} each way" if self.rate else ""]
         text = ", ".join(part for part in said if part) or "unshaped"
-        return text + (" (tc tbf: this kernel has no netem, so no delay)" if self.shaper == "tbf" else " (tc netem)")
+        return text + {"tbf": " (tc tbf: this kernel has no netem, so no delay)",
+                       "tbf+nfqueue": " (rate: tc tbf; delay: packets held in user space through NFQUEUE, this "
+                                      "kernel has no netem)"}.get(self.shaper, " (tc netem)")
 
     @property
     def hub_address(self) -> str:
@@ -290,6 +340,13 @@ class SiteNetwork:
     def proxy_url(self) -> str:
         """What a proxied site's client is given, e.g. 'http://198.18.0.5:8888'."""
         return f"http://{self.proxy_address}:{self.proxy_port}"
+
+    def own_pids(self, host: int) -> set[int]:
+        """The network's own processes in host ``host`` (its link delay, the proxy): not a test's leftovers."""
+        own = {process.pid for where, process in self.delayers.items() if where == host}
+        if host == self.proxy_host and self.proxy_process is not None:
+            own.add(self.proxy_process.pid)
+        return own
 
     def namespace(self, host: int) -> str:
         """The network namespace's name of host ``host`` (for `ip netns exec`, `tc -n`)."""

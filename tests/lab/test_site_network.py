@@ -21,7 +21,8 @@ if (reason := site_network_unavailable(shaping=False)) is not None:
     pytest.skip(reason, allow_module_level=True)
 
 SHAPING_UNAVAILABLE = site_network_unavailable()   # None where netem works
-needs_netem = pytest.mark.skipif(SHAPING_UNAVAILABLE is not None, reason=f"no delay on the links: {SHAPING_UNAVAILABLE}")
+needs_delay = pytest.mark.skipif(shaping_kind() not in ("netem", "tbf+nfqueue"),
+                                 reason=f"no delay on the links: {SHAPING_UNAVAILABLE}, and no NFQUEUE for iptables")
 needs_rate = pytest.mark.skipif(shaping_kind() is None, reason="links unshaped: this kernel has neither netem nor tbf")
 DELAY_S, RATE_BYTES_S = 0.040, 50e6 / 8           # SiteNetwork's defaults: 40ms, 50mbit
 ROOT = Path(__file__).resolve().parents[2]
@@ -66,7 +67,7 @@ else:
 
 @pytest.fixture(scope="module")
 def network():
-    with SiteNetwork(sites=3, proxied=(3,)) as made:   # netem where the kernel has it, else tbf: rate only
+    with SiteNetwork(sites=3, proxied=(3,)) as made:   # netem where the kernel has it, else tbf and link_delay.py
         yield made
 
 
@@ -133,10 +134,11 @@ def test_both_ends_of_each_site_link_are_shaped(network):
                 assert "netem" in shown and "delay 40ms" in shown and "rate 50Mbit" in shown, shown
             else:
                 assert "tbf" in shown and "rate 50Mbit" in shown, shown
-    if network.shaper == "netem":
-        assert network.links == "40ms delay each way, 50mbit each way (tc netem)"
-    else:
-        assert network.links == "50mbit each way (tc tbf: this kernel has no netem, so no delay)"
+    assert network.links == {
+        "netem": "40ms delay each way, 50mbit each way (tc netem)",
+        "tbf+nfqueue": "40ms delay each way, 50mbit each way (rate: tc tbf; delay: packets held in user space "
+                       "through NFQUEUE, this kernel has no netem)",
+        "tbf": "50mbit each way (tc tbf: this kernel has no netem, so no delay)"}[network.shaper]
 
 
 def qdiscs(network, host) -> list[str]:
@@ -147,7 +149,7 @@ def qdiscs(network, host) -> list[str]:
                            capture_output=True, text=True, check=True).stdout for namespace, device in ends]
 
 
-@needs_netem
+@needs_delay
 def test_connect_time_is_the_round_trip(network):
     with network.listening({network.hub_host: [network.https_port]}):
         done = subprocess.run(network.command(network.site_host(1), [
@@ -190,6 +192,13 @@ def test_a_flat_network_has_the_same_links_and_no_firewall():
         assert flat.proxy_host is None
         if flat.shaper is not None:
             assert all("rate 50Mbit" in shown for shown in qdiscs(flat, flat.site_host(1)))
+        if flat.delay:  # site to site crosses two shaped links: twice the hub's round trip
+            with flat.listening({flat.site_host(2): [flat.probe_port]}):
+                done = subprocess.run(flat.command(flat.site_host(1), [
+                    sys.executable, "-c", CONNECT_TIME, flat.site_address(2), flat.probe_port]),
+                    capture_output=True, text=True, timeout=30)
+            assert done.returncode == 0, done.stderr
+            assert 4 * DELAY_S <= float(done.stdout) < 4 * DELAY_S + 0.050, done.stdout
 
 
 def test_close_leaves_nothing():
