@@ -85,11 +85,12 @@ def test_a_rank_lost_mid_task_is_replaced_and_its_task_completes_exactly_once(la
     done_marks = [name for name in os.listdir(folder) if name.startswith("done-")]
     assert sorted(int(name.split("-")[1]) for name in done_marks) == items
     lost = [record for record in results.records if record.attempts == 2]
-    assert len(lost) == 1 and results.requeued == 1
-    assert f"task {lost[0].index} requeued: rank 1" in "\n".join(results.events)
+    said = "\n".join(results.events)  # what the queue saw, shown with any failure below
+    assert len(lost) == 1 and results.requeued == 1, said
+    assert f"task {lost[0].index} requeued: rank 1" in said, said
     # The lost process is gone (a frozen one was killed), and the replacement rejoined the pool.
-    assert wait_gone({victim}, 5) == set()
-    assert "rank 1" in results.events[0] and "rejoined the pool" in results.events[0]
+    assert wait_gone({victim}, 5) == set(), said
+    assert "rank 1" in results.events[0] and "rejoined the pool" in results.events[0], said
     # The lab has a full process group again for the next cell.
     assert lab.run_cell("x = torch.ones(1)\ndist.all_reduce(x)\nx.item()") == ["4.0"] * 4
 
