@@ -1,6 +1,6 @@
 """Sites benchmark: DiLoCo across three firewalled sites against DDP across the same hosts on a flat network.
 
-    ./lab bench sites [--steps 300] [--inner-steps 10] [--lost-steps 60] [--target LOSS]
+    ./lab bench sites [--steps 300] [--ddp-steps 60] [--inner-steps 10] [--lost-steps 60] [--target LOSS]
 
 Two networks of network-namespace hosts (``tests/netns_sites.py``), one after the other, with the same
 links: each site's link shaped both ways (``tc netem`` 40 ms and 50 Mbit/s where the kernel has netem;
@@ -17,9 +17,10 @@ Measured:
 
   join to usable      from starting a site's join command until ``lab.wait_for_sites`` names it and a cell
                       has run on its ranks (site 3 through the proxy).
-  training            the zoo's character GPT, lr 3e-3, global batch 24, ``--steps`` global steps: DiLoCo
-                      fused across the sites (one replica each, ``--inner-steps`` H, bf16 on the wire) and
-                      DDP over the 6 ranks of the flat network. For each: wall time of ``lab.train`` (from the
+  training            the zoo's character GPT, lr 3e-3, global batch 24: DiLoCo fused across the sites for
+                      ``--steps`` global steps (one replica each, ``--inner-steps`` H, bf16 on the wire) and
+                      DDP over the 6 ranks of the flat network for ``--ddp-steps`` (fewer by default: with
+                      delay on the links each of its steps waits seconds). For each: wall time of ``lab.train`` (from the
                       call: set-up included), the bytes that crossed each site's link (the interface counters
                       of its host, both directions, everything: TLS, heartbeats, tasks, collectives) per
                       global step, and the time from the call to a target loss: the first block of H steps
@@ -62,7 +63,7 @@ HTTPS_PORT = 8443
 NAMES = {1: "east", 2: "west", 3: "north"}
 RANKS_PER_SITE = 2
 SETTINGS = dict(model="gpt", lr=3e-3, global_batch=24)
-LAB = dict(backend="gloo", threads_per_rank=1, timeout=600, start_timeout=120)
+LAB = dict(backend="gloo", threads_per_rank=1, timeout=1800, start_timeout=120)
 
 # Run in the driver (``exec``, with ``lab``): a DiLoCo run across the sites, summed up by ``finish``. Clocks:
 # the hub's rounds are stamped with time.monotonic(), which every process of this machine shares.
@@ -215,7 +216,7 @@ def run_flat(network: SiteNetwork, options, logs: Path) -> dict:
         print(f"  flat lab: {world} ranks on hosts {sorted(set(grown['hosts']))}", flush=True)
         before = link_bytes(network)
         trained = driver.ask(3600, command="exec", code=TRAIN_DDP.format(
-            settings=dict(SETTINGS, steps=options.steps), block=options.inner_steps))["result"]
+            settings=dict(SETTINGS, steps=options.ddp_steps), block=options.inner_steps))["result"]
         out = dict(trained, link_bytes=crossed(before, link_bytes(network)), links=network.links)
         print(f"  DDP on the flat network: {trained['seconds']:.1f} s, loss {trained['losses'][0]:.3f} -> "
               f"{trained['losses'][-1]:.3f}, median step {trained['median_step_seconds'] * 1000:.0f} ms", flush=True)
@@ -234,20 +235,24 @@ def table(sites: dict, flat: dict, options) -> list[dict]:
     target = options.target
     if target is None:  # the loss both runs reach: the worse of their best block means
         target = max(min(loss for loss, _ in diloco["blocks"]), min(loss for loss, _ in ddp["blocks"]))
-    steps = options.steps
     rows = [
         ("wall time of lab.train (s)", diloco["seconds"], ddp["seconds"]),
-        (f"time to mean loss <= {target:.3f} (s)", time_to_target(diloco["blocks"], target),
-         time_to_target(ddp["blocks"], target)),
+        (f"time to mean loss <= {target:.3f} (s)", time_to_target(diloco["blocks"], target) or "not reached",
+         time_to_target(ddp["blocks"], target) or "not reached"),
+        ("steps", options.steps, options.ddp_steps),
         ("final block mean loss", diloco["blocks"][-1][0], ddp["blocks"][-1][0]),
-        ("bytes over a site's link per step (kB)", statistics.fmean(diloco["link_bytes"].values()) / steps / 1e3,
-         statistics.fmean(ddp["link_bytes"].values()) / steps / 1e3),
+        ("bytes over a site's link per step (kB)",
+         statistics.fmean(diloco["link_bytes"].values()) / options.steps / 1e3,
+         statistics.fmean(ddp["link_bytes"].values()) / options.ddp_steps / 1e3),
+        ("median step (ms)", None, ddp["median_step_seconds"] * 1000),
     ]
     print(f"\n{'metric':<42} {'DiLoCo, sites':>14} {'DDP, flat':>12} {'ratio':>8}")
     out = []
     for name, a, b in rows:
-        ratio = (b / a) if a and b else None
-        shown = [f"{value:.3f}" if value is not None else "not reached" for value in (a, b)]
+        numbers = all(isinstance(value, (int, float)) and value for value in (a, b))
+        ratio = b / a if numbers else None
+        shown = [f"{value:.3f}" if isinstance(value, float) else "-" if value is None else str(value)
+                 for value in (a, b)]
         print(f"{name:<42} {shown[0]:>14} {shown[1]:>12} {f'{ratio:.2f}x' if ratio else '':>8}")
         out.append({"metric": name, "diloco_sites": a, "ddp_flat": b, "ddp_over_diloco": ratio})
     full = diloco["full_round_bytes"]
@@ -265,13 +270,16 @@ def table(sites: dict, flat: dict, options) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=300, help="global steps of both training runs")
+    parser.add_argument("--steps", type=int, default=300, help="global steps of DiLoCo across the sites")
+    parser.add_argument("--ddp-steps", type=int, default=60, help="steps of DDP on the flat network (each waits on "
+                                                                   "the links: seconds where they have delay)")
     parser.add_argument("--inner-steps", type=int, default=10, help="DiLoCo's H, also the loss block")
     parser.add_argument("--lost-steps", type=int, default=60, help="global steps of the run that loses a site")
     parser.add_argument("--target", type=float, default=None, help="target loss (default: both runs reach it)")
     options = parser.parse_args()
-    if options.steps % options.inner_steps or options.lost_steps < 4 * options.inner_steps:
-        parser.error("--steps must be a multiple of --inner-steps, and --lost-steps at least 4 rounds")
+    if options.steps % options.inner_steps or options.ddp_steps % options.inner_steps \
+            or options.lost_steps < 4 * options.inner_steps:
+        parser.error("--steps and --ddp-steps must be multiples of --inner-steps, and --lost-steps at least 4 rounds")
     if (reason := site_network_unavailable(shaping=False)) is not None:
         print(f"cannot build the site network here: {reason}", file=sys.stderr)
         raise SystemExit(2)
