@@ -44,14 +44,20 @@ class RankRequests:
 
         return train_member(spec)
 
-    def diloco_reference(self, config) -> bytes:
+    def diloco_reference(self, config) -> tuple[bytes, bytes]:
         import torch
 
         from labkit.rank.own_model import trainable_for
+        from labkit.rank.verify import resummed_chunks
         from labkit.strategies.diloco import reference_parameters
 
-        _, final = reference_parameters(config, "cpu", config.steps, trainable=trainable_for(config, self.runtime))
-        return torch.cat([value.reshape(-1).float() for value in final.values()]).numpy().tobytes()
+        trainable = trainable_for(config, self.runtime)
+        flat = []
+        # The reference, then the same mathematics summed in other orders: how far rounding alone moves it.
+        for chunks in (1, resummed_chunks(config)):
+            _, final = reference_parameters(config, "cpu", config.steps, chunks=chunks, trainable=trainable)
+            flat.append(torch.cat([value.reshape(-1).float() for value in final.values()]).numpy().tobytes())
+        return flat[0], flat[1]
 
     def seed(self, value: int, same: bool) -> int:
         from labkit.rank.environment import seed_as_asked

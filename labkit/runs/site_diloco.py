@@ -34,7 +34,7 @@ from labkit.runs.training_run import TrainingRun
 from labkit.spec.errors import LabConfigError, LabError
 from labkit.strategies.diloco import INNER_STEPS
 from labkit.units import format_bytes
-from labkit.views.sites_report import SitesReport
+from labkit.views.sites_report import SitesReport, largest_relative_difference
 from labkit.wire import entry
 
 if TYPE_CHECKING:
@@ -184,7 +184,7 @@ class SitesRun:
             self.hub.call(self.outer.close())
         report = self._report(time.monotonic() - began)
         if self.verify:
-            report.verify_difference = self._verify(report)
+            report.verify_difference, report.verify_noise = self._verify(report)
         return report
 
     def _start(self, name: str) -> None:
@@ -317,18 +317,20 @@ class SitesRun:
                             by_step.setdefault(block * self.inner_steps + step, []).append(losses[at])
         return [statistics.fmean(by_step[step]) for step in sorted(by_step)]
 
-    def _verify(self, report: SitesReport) -> float:
+    def _verify(self, report: SitesReport) -> tuple[float, float]:
+        """(the hub's weights against one-process DiLoCo, that reference against itself summed in other orders):
+        each the largest relative difference of a parameter, as every other verify of the lab measures it."""
         if any(r.left_out for r in report.rounds) or len(report.rounds) != self.blocks:
             raise LabError("verify compares a run in which every site took part in every round; this one left "
                            "sites out, so no one-process run is the same")
         first = next(iter(self.sessions.values()))
         config = replace(self.configs[next(iter(self.sessions))], outer_hub=None, steps=self.blocks * self.inner_steps,
                          strategy="diloco", mesh_names=("replica",), mesh_shape=(self.replicas,))
-        expected = numpy.frombuffer(first.call([0], entry.diloco_reference, (config,), self.timeout)[0],
-                                    dtype=numpy.float32)
-        got = report.weights[0]
-        scale = max(float(numpy.abs(expected).max()), 1e-12)
-        return float(numpy.abs(got - expected).max() / scale)
+        reference, resummed = (numpy.frombuffer(flat, dtype=numpy.float32) for flat in
+                               first.call([0], entry.diloco_reference, (config,), self.timeout)[0])
+        layout = report.layouts[0]
+        difference = largest_relative_difference(report.weights[0], reference, layout)
+        return difference, largest_relative_difference(resummed, reference, layout)
 
 
 async def _on_loop(function, *args):

@@ -12,7 +12,7 @@ import torch
 
 from labkit.runs.outer_hub import RoundRecord, bf16_to_float, from_wire, round_to_bf16
 from labkit.spec.errors import LabError
-from labkit.views.sites_report import SITES_TOLERANCE, SitesReport
+from labkit.views.sites_report import SitesReport, largest_relative_difference
 
 
 def torch_bits(values: numpy.ndarray) -> numpy.ndarray:
@@ -264,10 +264,28 @@ def test_wire_bytes_per_number_follows_the_wire(wire, size):
     assert report(wire=wire).wire_bytes_per_number == size
 
 
-@pytest.mark.parametrize("difference, equivalent", [(None, None), (0.0, True), (SITES_TOLERANCE, True),
-                                                    (SITES_TOLERANCE * 1.01, False)])
-def test_equivalent_is_the_verify_difference_within_the_tolerance(difference, equivalent):
-    assert report(verify_difference=difference).equivalent is equivalent
+@pytest.mark.parametrize("difference, noise, equivalent", [
+    (None, 0.0, None), (0.0, 0.0, True), (9.9e-6, 0.0, True), (1e-5, 0.0, False),  # the 1e-5 floor
+    (3e-5, 4e-6, True), (4e-5, 4e-6, False),  # 10 x the rounding noise above the floor
+    (9e-4, 1.0, True), (1e-3, 1.0, False)])  # never above 1e-3, however noisy the run
+def test_equivalent_is_the_difference_within_the_labs_bound_on_the_runs_rounding_noise(difference, noise, equivalent):
+    made = report(verify_difference=difference, verify_noise=noise)
+    assert made.equivalent is equivalent
+    if difference is not None:
+        assert ("NOT equal" in str(made)) is (not equivalent) and f"rounding noise {noise:.1e}" in str(made)
+
+
+def test_the_relative_difference_is_each_parameters_own_and_the_largest_is_reported():
+    layout = [("big", [2]), ("small", [2, 1]), ("scalar", [])]
+    expected = numpy.array([100.0, 0.0, 3.0, 4.0, 1.0], dtype=numpy.float32)
+    got = expected.copy()
+    assert largest_relative_difference(got, expected, layout) == 0.0
+    got[0] += 1.0  # 1 against a norm of 100
+    assert largest_relative_difference(got, expected, layout) == pytest.approx(0.01)
+    got[3] += 0.5  # 0.5 against a norm of 5: the small parameter's error is not hidden by the big one
+    assert largest_relative_difference(got, expected, layout) == pytest.approx(0.1)
+    got[4] = -1.0  # the scalar flipped: 2 against 1
+    assert largest_relative_difference(got, expected, layout) == pytest.approx(2.0)
 
 
 def test_the_final_loss_is_the_last_global_steps_or_none():
