@@ -29,6 +29,8 @@ import shutil
 import signal
 import subprocess
 
+import psutil
+
 PREFIX = "lktest"          # every namespace this module makes is named PREFIX-<pid>-<tag>-<role>
 SUBNET = "198.18.0"        # RFC 2544 benchmarking range: never a real network's addresses
 IP_TIMEOUT = 10.0          # seconds any one `ip` call may take
@@ -251,3 +253,17 @@ class NetnsHosts:
     def _check(self, i: int) -> None:
         if not 0 <= i < self.count:
             raise IndexError(f"host {i} out of range (0..{self.count - 1})")
+
+
+def running(pids) -> list[str]:
+    """The processes among ``pids`` that still run (an exited child whose parent is gone stays a zombie where
+    the machine's first process does not collect orphans: ended, not left running)."""
+    alive = []
+    for pid in pids:
+        try:
+            process = psutil.Process(pid)
+            if process.status() != psutil.STATUS_ZOMBIE:
+                alive.append(f"{pid} {' '.join(process.cmdline())[:160]}")
+        except psutil.NoSuchProcess:
+            continue
+    return alive

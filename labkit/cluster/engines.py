@@ -49,6 +49,9 @@ class RankRecord:
     # Those GPUs as its engine names them; None where the engine did not say (an older labkit): its
     # host is then checked by count alone.
     gpu_ids: tuple[str, ...] | None = None
+    # The host entry it was started by, where the launcher names hosts (ssh's ``engines``): a replacement
+    # starts there again. None for other launchers.
+    launched_on: str | None = None
 
     @property
     def joined(self) -> bool:
@@ -145,7 +148,8 @@ def assign(cluster, found: list[tuple[int, dict]], ranks: list[int], deadline: f
                                f"code:\n{info['install_error']}")
         ids = info.get("gpu_ids")
         placed[rank] = RankRecord(engine, info["pid"], info["host"], info["slot"], engine_set_of(info),
-                                  info.get("gpus", 0), None if ids is None else tuple(str(gpu) for gpu in ids))
+                                  info.get("gpus", 0), None if ids is None else tuple(str(gpu) for gpu in ids),
+                                  info.get("launched_on"))
     records = {**cluster.records, **placed}
     world = sorted(records)
     if world != list(range(len(world))):

@@ -46,6 +46,20 @@ class LauncherChoice:
 
         return Config({self.engine_class.__name__: dict(self.options)})
 
+    def set_options(self, environment: dict, engine_args: list[str], output_file: str,
+                    host: str | None = None) -> dict:
+        """What one engine set is started with besides its count: the lab's ``environment`` and ``engine_args``
+        beside the user's, its log file where the launcher writes one, and where the launcher names hosts
+        (ssh's ``engines``) each host's engines told their host; ``host``: a replacement goes there alone."""
+        environment = {**self.options.get("environment", {}), **environment}
+        options: dict[str, object] = {"environment": environment,
+                                      "engine_args": [*self.options.get("engine_args", []), *engine_args]}
+        if "output_file" in self.engine_class.class_trait_names():
+            options["output_file"] = output_file
+        if isinstance(self.options.get("engines"), dict):
+            options["engines"] = engines_by_host(self.options["engines"], environment, host)
+        return options
+
     def describe(self) -> str:
         shown = ", ".join(f"{key}={value!r}" for key, value in sorted(self.options.items()))
         return self.name + (f" ({shown})" if shown else "")
@@ -98,6 +112,25 @@ def choose_launcher(name: str = HOSTED, **options) -> LauncherChoice:
             raise LabConfigError(f"the {name} launcher refused its options: {error}") from None
         _check_commands(name, launcher)
     return choice
+
+
+def engines_by_host(engines: dict, environment: dict, only: str | None = None) -> dict:
+    """ipyparallel's ``engines`` option (host -> count, or -> {"n": count, other options}) with every host's
+    engines told their host entry (``LABKIT_LAUNCHED_ON`` beside the set's ``environment``), so the lab knows
+    where each rank was started. ``only``: one engine on that host alone (a rank replaced where it ran); a
+    host that is no longer among them gets what ipyparallel would do with one engine: the first host's."""
+    from labkit.wire.entry import LAUNCHED_ON_VARIABLE
+
+    chosen = {}
+    for host, entry in engines.items():
+        if only is not None and host != only:
+            continue
+        config = dict(entry) if isinstance(entry, dict) else {"n": entry}
+        config["environment"] = {**environment, **config.get("environment", {}), LAUNCHED_ON_VARIABLE: host}
+        if only is not None:
+            config["n"] = 1
+        chosen[host] = config
+    return chosen if chosen else engines_by_host(engines, environment)
 
 
 # The traits of ipyparallel's launchers that name a program this machine runs to start engines.

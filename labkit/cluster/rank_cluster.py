@@ -165,10 +165,10 @@ class RankCluster:
             "--log-level=WARN",
         ]
 
-    def _launch(self, ranks: list[int], deadline: float, together: bool = True) -> None:
-        """Start engines for ``ranks``: one set each with the lab's launcher; with another, one set for
-        all (``together``: a start) or one set each (a replacement: under MPI a set's engines ask for
-        their MPI rank as engine id, which the engines still registered may hold)."""
+    def _launch(self, ranks: list[int], deadline: float, together: bool = True, places: dict | None = None) -> None:
+        """Start engines for ``ranks``: one set each with the lab's launcher; with another, one set for all
+        (``together``: a start) or one set each (a replacement: under MPI a set's engines ask for their MPI
+        rank as engine id, which registered engines may hold; under ssh it goes to its rank's ``places``)."""
         if not ranks:
             return
         assert self.cluster is not None
@@ -184,11 +184,9 @@ class RankCluster:
         for group in [ranks] if together else [[rank] for rank in ranks]:
             self.sets_started += 1
             engine_set = f"ranks{self.sets_started}"
-            options = {"environment": {**self.launcher.options.get("environment", {}),
-                                       **self.plan.launch_environment(None, f"set:{engine_set}")},
-                       "engine_args": [*self.launcher.options.get("engine_args", []), *self._engine_args()]}
-            if "output_file" in self.launcher.engine_class.class_trait_names():
-                options["output_file"] = self.log_path(group[0])
+            options = self.launcher.set_options(self.plan.launch_environment(None, f"set:{engine_set}"),
+                                                self._engine_args(), self.log_path(group[0]),
+                                                None if together else (places or {}).get(group[0]))
             self.cluster.start_engines_sync(n=len(group), engine_set_id=engine_set, **options)
 
     def _wait_for_engines(self, count: int, deadline: float) -> list[tuple[int, dict]]:
@@ -326,14 +324,14 @@ class RankCluster:
             raise LabError(f"{format_ranks(joined)} joined from another machine: the lab cannot restart them "
                            "(drop them with a heal, or run the join command there again)")
         self.signal(ranks, signal.SIGKILL)
-        for rank in ranks:
-            record = self.records.pop(rank)
+        retired = {rank: self.records.pop(rank) for rank in ranks}
+        for record in retired.values():  # a set none of the ranks left uses is stopped
             self.retired_engines.add(record.engine)
-            still_used = any(other.engine_set == record.engine_set for other in self.records.values())
-            if record.engine_set in self.cluster.engines and not still_used:
+            if record.engine_set in self.cluster.engines and record.engine_set not in {
+                    other.engine_set for other in self.records.values()}:
                 self.cluster.stop_engines_sync(record.engine_set)
         deadline = time.monotonic() + (timeout or self.start_timeout)
-        self._launch(ranks, deadline, together=False)
+        self._launch(ranks, deadline, together=False, places={rank: r.launched_on for rank, r in retired.items()})
         self._assign(self._wait_for_engines(len(ranks), deadline), ranks, deadline)
 
     def resize(self, dropped, joining: list[tuple[int, dict]], timeout: float | None = None) -> None:

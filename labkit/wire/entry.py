@@ -18,6 +18,7 @@ RANK_RUNTIME_MODULE = "labkit.rank.runtime"  # the rank's code: torch and every 
 # What an engine started by another launcher (MPI, SSH, Slurm) or joined from elsewhere runs first.
 STARTUP_COMMAND = "__import__('labkit.wire.entry').wire.entry.install()"
 SLOT_VARIABLE = "LABKIT_SLOT"  # how an engine came: "rank3" (the lab's own launcher), "set:ranks2", "joined"
+LAUNCHED_ON_VARIABLE = "LABKIT_LAUNCHED_ON"  # the host entry of a launcher that names hosts (ssh's ``engines``)
 
 
 def install() -> None:
@@ -60,6 +61,7 @@ def describe_engine() -> dict:
         "pid": os.getpid(),
         "host": socket.gethostname(),
         "slot": os.environ.get(SLOT_VARIABLE, "launched"),
+        "launched_on": os.environ.get(LAUNCHED_ON_VARIABLE),
         "gpus": len(gpus),  # a notebook of an older labkit reads only the count
         "gpu_ids": list(gpus),  # the placement check finds the GPU each rank will use among them
         "rank": None if runtime is None else runtime.rank,
@@ -148,9 +150,10 @@ def train_member(spec: dict) -> dict:
     return this_rank().requests.train_member(spec)
 
 
-def diloco_reference(config) -> bytes:
+def diloco_reference(config) -> tuple[bytes, bytes]:
     """DiLoCo of ``config`` simulated in one process on this rank: the final global weights, float32 bytes in
-    parameter order (the proof of a run across sites)."""
+    parameter order (the proof of a run across sites), and the same simulated with its sums in other orders
+    (the run's rounding noise)."""
     return this_rank().requests.diloco_reference(config)
 
 

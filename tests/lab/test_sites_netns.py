@@ -22,12 +22,11 @@ import ipaddress
 import subprocess
 import time
 
-import psutil
 import pytest
 
 from labkit.line.agent_link import REFUSED_SECONDS
 from tests.multihost_driver import DriverClient
-from tests.netns_hosts import ip
+from tests.netns_hosts import ip, running
 from tests.netns_sites import SiteNetwork, SiteProcess, site_network_unavailable
 
 UNAVAILABLE = site_network_unavailable(shaping=False)
@@ -202,21 +201,7 @@ def test_sites_behind_https_only_firewalls_and_a_proxy_run_tasks_ensembles_and_f
                         site.kill()
                         raise
         for host in (1, 2, 3):
-            assert living(namespace_pids(network, network.site_host(host))) == [], f"site {host} left processes"
-
-
-def living(pids: list[int]) -> list[str]:
-    """The processes among ``pids`` that still run (an exited child whose parent is gone stays a zombie where
-    the machine's first process does not collect orphans: ended, not left running)."""
-    alive = []
-    for pid in pids:
-        try:
-            process = psutil.Process(pid)
-            if process.status() != psutil.STATUS_ZOMBIE:
-                alive.append(f"{pid} {' '.join(process.cmdline())[:120]}")
-        except psutil.NoSuchProcess:
-            continue
-    return alive
+            assert running(namespace_pids(network, network.site_host(host))) == [], f"site {host} left processes"
 
 
 def listening_in(network: SiteNetwork, host: int) -> set[tuple[str, int]]:

@@ -1,0 +1,84 @@
+"""The lab's ranks started through ipyparallel's SSH launcher, for real: OpenSSH servers on namespace hosts.
+
+``NetnsHosts(count=3)``: the notebook's side (``multihost_driver.py``) runs in host 0 with the controller on
+its address; hosts 1 and 2 run Debian's sshd (``tests/netns_ssh.py``: a key pair the test makes, nothing else
+accepted, a host name of their own). ``Lab(ranks=4, launcher="ssh", engines={host1: 2, host2: 2})`` starts
+the engines over ssh; DDP across the hosts verifies equal to one process; a rank killed on host 2 is
+replaced through ssh on host 2; and after ``stop()`` nothing of the lab runs on either host.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from tests.multihost_driver import DriverClient
+from tests.netns_hosts import NetnsHosts
+from tests.netns_ssh import SshHosts, ssh_unavailable
+
+UNAVAILABLE = ssh_unavailable()
+pytestmark = [pytest.mark.lab, pytest.mark.skipif(UNAVAILABLE is not None, reason=f"ssh hosts: {UNAVAILABLE}")]
+
+RANKS_OF = "result = [(r, c.host, c.pid, c.launched_on) for r, c in sorted(lab.cluster.records.items())]"
+
+
+@pytest.fixture(scope="module")
+def network():
+    with NetnsHosts(count=3) as hosts, SshHosts(hosts, on=(1, 2)) as ssh:
+        yield hosts, ssh
+
+
+def wait_until(condition, within: float) -> bool:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.2)
+    return condition()
+
+
+def test_ssh_started_ranks_train_across_hosts_a_killed_rank_comes_back_on_its_host_and_stop_leaves_nothing(network):
+    hosts, ssh = network
+    driver = DriverClient(hosts, name="ssh")
+    stopped = False
+    try:
+        started = driver.ask(240, command="start", ranks=4, launcher="ssh", controller_address=hosts.address(0),
+                             timeout=60, start_timeout=180, threads_per_rank=1, **ssh.launcher_options({1: 2, 2: 2}))
+        assert started["ok"], started
+        ranks = driver.ask(30, command="exec", code=RANKS_OF)["result"]
+        assert sorted(host for _, host, _, _ in ranks) == ["lab-ssh1", "lab-ssh1", "lab-ssh2", "lab-ssh2"], ranks
+        assert {host: place for _, host, _, place in ranks} == {"lab-ssh1": hosts.address(1),
+                                                                "lab-ssh2": hosts.address(2)}, ranks
+
+        trained = driver.ask(240, command="train", strategy="ddp", model="mlp", steps=4, verify=True)
+        assert trained["ok"] and trained["world"] == 4 and trained["equivalent"] is True, trained
+
+        # A rank on host 2 killed: the lab names it, and a heal starts its replacement there, through ssh.
+        victim, _, pid, _ = next(rank for rank in ranks if rank[1] == "lab-ssh2")
+        os.kill(pid, signal.SIGKILL)
+        healed = driver.ask(240, command="exec", code=(
+            "import time\n"
+            "deadline = time.monotonic() + 30\n"
+            f"while {victim} not in lab.cluster.broken_ranks() and time.monotonic() < deadline:\n"
+            "    time.sleep(0.1)\n"
+            f"named = lab.cluster.broken_ranks().get({victim})\n"
+            "result = dict(named=named, note=lab.session.heal())\n"))
+        assert healed["ok"] and healed["result"]["named"], healed
+        assert f"replaced rank {victim}" in healed["result"]["note"], healed
+        after = driver.ask(30, command="exec", code=RANKS_OF)["result"]
+        assert after[victim][1] == "lab-ssh2" and after[victim][3] == hosts.address(2), after
+        assert after[victim][2] != pid
+        summed = driver.ask(60, command="all_reduce", rounds=3)
+        assert summed["ok"] and summed["sums"] == [4.0] * 4, summed
+
+        stopped = driver.ask(90, command="stop")["ok"]
+        assert stopped
+    finally:
+        if not stopped:
+            driver.ask(90, command="stop")
+    # Nothing of the lab is left on either host once it stopped: engines, nannies, ssh sessions.
+    for host in (1, 2):
+        assert wait_until(lambda: ssh.remote_pids(host) == [], 20), (host, ssh.remote_pids(host))
