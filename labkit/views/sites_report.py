@@ -20,15 +20,20 @@ if TYPE_CHECKING:
     from labkit.runs.outer_hub import RoundRecord
 
 
+def parameter_slices(layout: list):
+    """(name, shape, slice) of each parameter in a flat vector laid out as ``layout``'s (name, shape)."""
+    offset = 0
+    for name, shape in layout:
+        count = int(numpy.prod(shape)) if shape else 1
+        yield name, shape, slice(offset, offset + count)
+        offset += count
+
 
 def largest_relative_difference(got: numpy.ndarray, expected: numpy.ndarray, layout: list) -> float:
     """The largest over parameters of |got - expected| / |expected| (norms), both flat in ``layout``'s order of
     (name, shape): how the lab's verify measures a difference everywhere."""
-    worst, offset = 0.0, 0
-    for _, shape in layout:
-        count = int(numpy.prod(shape)) if shape else 1
-        part = slice(offset, offset + count)
-        offset += count
+    worst = 0.0
+    for _, _, part in parameter_slices(layout):
         norm = max(float(numpy.linalg.norm(expected[part].astype(numpy.float64))), 1e-30)
         worst = max(worst, float(numpy.linalg.norm((got[part] - expected[part]).astype(numpy.float64))) / norm)
     return worst
@@ -59,12 +64,8 @@ class SitesReport:
         makes tensors of them). Sites of ddp hold the model whole; under fsdp ask a site: lab.site(name).model_state()."""
         if len(self.weights) != 1:
             raise LabError("the sites sharded the model (inner='fsdp'): lab.site(name).model_state() gathers it")
-        flat, state, offset = self.weights[0], {}, 0
-        for name, shape in self.layouts[0]:
-            count = int(numpy.prod(shape)) if shape else 1
-            state[name] = flat[offset:offset + count].reshape(shape).copy()
-            offset += count
-        return state
+        flat = self.weights[0]
+        return {name: flat[part].reshape(shape).copy() for name, shape, part in parameter_slices(self.layouts[0])}
 
     @property
     def hub_bytes_per_round(self) -> float:

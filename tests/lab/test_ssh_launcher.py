@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 
 import pytest
 
+from tests.lab.test_launchers import wait_for
 from tests.multihost_driver import DriverClient
 from tests.netns_hosts import NetnsHosts
 from tests.netns_ssh import SshHosts, ssh_unavailable
@@ -29,15 +29,6 @@ RANKS_OF = "result = [(r, c.host, c.pid, c.launched_on) for r, c in sorted(lab.c
 def network():
     with NetnsHosts(count=3) as hosts, SshHosts(hosts, on=(1, 2)) as ssh:
         yield hosts, ssh
-
-
-def wait_until(condition, within: float) -> bool:
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.2)
-    return condition()
 
 
 def test_ssh_started_ranks_train_across_hosts_a_killed_rank_comes_back_on_its_host_and_stop_leaves_nothing(network):
@@ -81,4 +72,4 @@ def test_ssh_started_ranks_train_across_hosts_a_killed_rank_comes_back_on_its_ho
             driver.ask(90, command="stop")
     # Nothing of the lab is left on either host once it stopped: engines, nannies, ssh sessions.
     for host in (1, 2):
-        assert wait_until(lambda: ssh.remote_pids(host) == [], 20), (host, ssh.remote_pids(host))
+        assert wait_for(lambda: ssh.remote_pids(host) == [], 20), (host, ssh.remote_pids(host))
