@@ -72,6 +72,8 @@ class Lab(LabSites):
     ) -> None:
         # Everything is checked here, before a single process starts.
         chosen = choose_launcher(launcher, **launcher_options)
+        if isinstance(ranks, int) and not isinstance(ranks, bool):
+            chosen.check_room(ranks)  # ranks of another type are refused below, saying so
         if not isinstance(encrypt, bool):
             raise LabConfigError(f"encrypt is True or False, got {encrypt!r}")
         plan: RankPlan = plan_ranks(ranks, backend=backend, threads_per_rank=threads_per_rank,

@@ -10,6 +10,7 @@ ipyparallel's documentation for each launcher holds here too.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import sys
@@ -59,6 +60,18 @@ class LauncherChoice:
         if isinstance(self.options.get("engines"), dict):
             options["engines"] = engines_by_host(self.options["engines"], environment, host)
         return options
+
+    def check_room(self, ranks: int) -> None:
+        """Refuse ``ranks`` that a launcher naming its hosts (ssh's ``engines``) has no room for: it would start
+        fewer engines and the lab would wait out its start_timeout for the rest."""
+        if "engines" not in self.engine_class.class_trait_names(config=True):
+            return
+        room = engines_room(self.options.get("engines", {}))
+        if room < ranks:
+            example = "engines={'node1': 2, 'node2': 2}"
+            raise LabConfigError(f"the {self.name} launcher starts engines on the hosts of its engines option "
+                                 f"({room} engine(s) there now), and ranks={ranks} needs {ranks}: give them, e.g. "
+                                 f"{example}")
 
     def describe(self) -> str:
         shown = ", ".join(f"{key}={value!r}" for key, value in sorted(self.options.items()))
@@ -114,6 +127,22 @@ def choose_launcher(name: str = HOSTED, **options) -> LauncherChoice:
     return choice
 
 
+def engines_room(engines) -> int:
+    """How many engines ipyparallel's ``engines`` option starts (host -> count, or -> {"n": count, ...}); what
+    it would misread is refused, naming the host."""
+    if not isinstance(engines, dict):
+        raise LabConfigError(f"engines is a dict of host -> number of engines, e.g. {{'node1': 2}}, not {engines!r}")
+    room = 0
+    for host, entry in engines.items():
+        count = entry.get("n", 1) if isinstance(entry, dict) else entry
+        if not isinstance(host, str) or not host or isinstance(count, bool) or not isinstance(count, int) \
+                or count < 1:
+            raise LabConfigError(f"engines: {host!r} -> {entry!r} is not a host name and a whole number of engines "
+                                 "of at least 1 (or {'n': N, other ssh options})")
+        room += count
+    return room
+
+
 def engines_by_host(engines: dict, environment: dict, only: str | None = None) -> dict:
     """ipyparallel's ``engines`` option (host -> count, or -> {"n": count, other options}) with every host's
     engines told their host entry (``LABKIT_LAUNCHED_ON`` beside the set's ``environment``), so the lab knows
@@ -131,6 +160,16 @@ def engines_by_host(engines: dict, environment: dict, only: str | None = None) -
             config["n"] = 1
         chosen[host] = config
     return chosen if chosen else engines_by_host(engines, environment)
+
+
+def signal_one_engine(engine_set, pid: int, launched_on: str, signum: int) -> None:
+    """Signal one engine of an engine set through its own launcher (ssh: ``kill`` on its host), by its pid and
+    host entry: an engine the controller dropped (frozen, say) still gets the SIGKILL that replaces it."""
+    for each in getattr(engine_set, "launchers", {}).values():
+        host = str(getattr(each, "hostname", "") or "")
+        if getattr(each, "pid", None) == pid and host and host in launched_on:
+            with contextlib.suppress(Exception):  # it ended already
+                each.signal(signum)
 
 
 # The traits of ipyparallel's launchers that name a program this machine runs to start engines.

@@ -33,7 +33,7 @@ from labkit.cluster import engines, health
 from labkit.cluster.engines import JOINED, RankRecord
 from labkit.cluster.hosted.host_client import HostError, ProcessHost
 from labkit.cluster.hosted.launchers import HostedControllerLauncher
-from labkit.cluster.launchers import LauncherChoice, choose_launcher
+from labkit.cluster.launchers import LauncherChoice, choose_launcher, signal_one_engine
 from labkit.cluster.placement import RankPlan
 from labkit.cluster.workdir import WORKDIR_PREFIX, owner_only, remove_stale_workdirs, write_owner
 from labkit.spec.errors import LabError, StartupError, format_ranks
@@ -314,6 +314,8 @@ class RankCluster:
         if record.host == socket.gethostname() and not record.joined:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(record.pid, signum)
+        elif record.launched_on is not None and self.cluster and record.engine_set:  # a host ssh reaches
+            signal_one_engine(self.cluster.engines.get(record.engine_set), record.pid, record.launched_on, signum)
 
     def replace(self, ranks, timeout: float | None = None) -> None:
         """Kill the given ranks' processes and start fresh ones in their place (not for joined ranks)."""

@@ -4,7 +4,7 @@
 its address; hosts 1 and 2 run Debian's sshd (``tests/netns_ssh.py``: a key pair the test makes, nothing else
 accepted, a host name of their own). ``Lab(ranks=4, launcher="ssh", engines={host1: 2, host2: 2})`` starts
 the engines over ssh; DDP across the hosts verifies equal to one process; a rank killed on host 2 is
-replaced through ssh on host 2; and after ``stop()`` nothing of the lab runs on either host.
+replaced through ssh on host 2, one frozen on host 1 is killed and replaced there; and after ``stop()`` nothing of the lab runs on either host.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import signal
 
+import psutil
 import pytest
 
 from tests.lab.test_launchers import wait_for
@@ -62,6 +63,25 @@ def test_ssh_started_ranks_train_across_hosts_a_killed_rank_comes_back_on_its_ho
         after = driver.ask(30, command="exec", code=RANKS_OF)["result"]
         assert after[victim][1] == "lab-ssh2" and after[victim][3] == hosts.address(2), after
         assert after[victim][2] != pid
+        summed = driver.ask(60, command="all_reduce", rounds=3)
+        assert summed["ok"] and summed["sums"] == [4.0] * 4, summed
+
+        # A rank on host 1 frozen while idle: the controller drops it, the heal kills it (its nanny is not frozen)
+        # and starts its replacement on host 1.
+        frozen, _, frozen_pid, _ = next(rank for rank in after if rank[1] == "lab-ssh1")
+        os.kill(frozen_pid, signal.SIGSTOP)
+        healed = driver.ask(240, command="exec", code=(
+            "import time\n"
+            "deadline = time.monotonic() + 30\n"
+            f"while {frozen} not in lab.cluster.broken_ranks() and time.monotonic() < deadline:\n"
+            "    time.sleep(0.1)\n"
+            f"result = dict(named=lab.cluster.broken_ranks().get({frozen}), note=lab.session.heal())\n"))
+        assert healed["ok"] and "dropped by the controller" in (healed["result"]["named"] or ""), healed
+        assert f"replaced rank {frozen}" in healed["result"]["note"], healed
+        assert wait_for(lambda: not psutil.pid_exists(frozen_pid) or
+                        psutil.Process(frozen_pid).status() == psutil.STATUS_ZOMBIE, 20), "the frozen rank was left"
+        again = driver.ask(30, command="exec", code=RANKS_OF)["result"]
+        assert again[frozen][1] == "lab-ssh1" and again[frozen][3] == hosts.address(1), again
         summed = driver.ask(60, command="all_reduce", rounds=3)
         assert summed["ok"] and summed["sums"] == [4.0] * 4, summed
 

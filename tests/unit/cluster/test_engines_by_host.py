@@ -48,3 +48,56 @@ def test_an_engine_sets_options_keep_the_users_beside_the_labs_and_place_a_repla
     assert replaced["engines"] == {"node2": {"n": 1, "environment": {"A": "1", **SET, LAUNCHED_ON_VARIABLE: "node2"}}}
     mpi = LauncherChoice("mpi", find_launcher_class("mpi", "engine"), {})
     assert "engines" not in mpi.set_options(SET, [], "/tmp/log", host="node2")  # no hosts named: nothing to place
+
+
+def test_engines_count_what_ipyparallel_starts_and_refuse_what_it_would_misread():
+    import pytest
+
+    from labkit.cluster.launchers import engines_room
+    from labkit.spec.errors import LabConfigError
+
+    assert engines_room({"node1": 2, "node2": {"n": 3, "remote_python": "/opt/py"}, "node3": {}}) == 6
+    for bad in ({"node1": 0}, {"node1": "two"}, {"node1": True}, {"": 2}, {"node1": {"n": -1}}, ["node1"]):
+        with pytest.raises(LabConfigError, match="engines"):
+            engines_room(bad)
+
+
+def test_an_ssh_lab_with_no_room_for_its_ranks_is_refused_before_anything_starts():
+    import shutil
+
+    import pytest
+
+    if shutil.which("ssh") is None:
+        pytest.skip("no ssh client here: a lab refuses the ssh launcher for that first (apt-get install openssh-client)")
+
+    from labkit import Lab
+    from labkit.spec.errors import LabConfigError
+
+    with pytest.raises(LabConfigError, match=r"\(0 engine\(s\) there now\), and ranks=4 needs 4"):
+        Lab(ranks=4, launcher="ssh")  # the defaults alone: ipyparallel's engines={} would start none
+    with pytest.raises(LabConfigError, match=r"\(3 engine\(s\) there now\), and ranks=4"):
+        Lab(ranks=4, launcher="ssh", engines={"node1": 2, "node2": 1})
+    assert Lab(ranks=3, launcher="ssh", engines={"node1": 2, "node2": 1}).plan.ranks == 3  # checked, not started
+
+
+def test_one_engine_of_a_set_is_signalled_through_its_own_launcher_by_pid_and_host():
+    from types import SimpleNamespace
+
+    from labkit.cluster.launchers import signal_one_engine
+
+    got = []
+
+    def engine(host, pid):
+        return SimpleNamespace(hostname=host, pid=pid, signal=lambda signum: got.append((host, pid, signum)))
+
+    def gone(signum):
+        raise ProcessLookupError  # what an engine that ended already answers
+
+    engines = SimpleNamespace(launchers={"node1/0": engine("node1", 10), "node2/0": engine("node2", 10),
+                                         "node2/1": engine("node2", 11),
+                                         "node2/2": SimpleNamespace(hostname="node2", pid=12, signal=gone)})
+    signal_one_engine(engines, 10, "me@node2:2222", 9)
+    assert got == [("node2", 10, 9)]  # the same pid on another host is another process
+    signal_one_engine(engines, 12, "node2", 9)  # ended already: nothing raised
+    signal_one_engine(SimpleNamespace(), 10, "node2", 9)  # a set launcher without engines of its own
+    assert got == [("node2", 10, 9)]
