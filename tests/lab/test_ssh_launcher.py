@@ -24,6 +24,14 @@ UNAVAILABLE = ssh_unavailable()
 pytestmark = [pytest.mark.lab, pytest.mark.skipif(UNAVAILABLE is not None, reason=f"ssh hosts: {UNAVAILABLE}")]
 
 RANKS_OF = "result = [(r, c.host, c.pid, c.launched_on) for r, c in sorted(lab.cluster.records.items())]"
+# In the driver: wait (30 s at most) until the lab names rank {rank} broken, then heal; what it said of both.
+NAMED_THEN_HEALED = """
+import time
+deadline = time.monotonic() + 30
+while {rank} not in lab.cluster.broken_ranks() and time.monotonic() < deadline:
+    time.sleep(0.1)
+result = dict(named=lab.cluster.broken_ranks().get({rank}), note=lab.session.heal())
+"""
 
 
 @pytest.fixture(scope="module")
@@ -51,13 +59,7 @@ def test_ssh_started_ranks_train_across_hosts_a_killed_rank_comes_back_on_its_ho
         # A rank on host 2 killed: the lab names it, and a heal starts its replacement there, through ssh.
         victim, _, pid, _ = next(rank for rank in ranks if rank[1] == "lab-ssh2")
         os.kill(pid, signal.SIGKILL)
-        healed = driver.ask(240, command="exec", code=(
-            "import time\n"
-            "deadline = time.monotonic() + 30\n"
-            f"while {victim} not in lab.cluster.broken_ranks() and time.monotonic() < deadline:\n"
-            "    time.sleep(0.1)\n"
-            f"named = lab.cluster.broken_ranks().get({victim})\n"
-            "result = dict(named=named, note=lab.session.heal())\n"))
+        healed = driver.ask(240, command="exec", code=NAMED_THEN_HEALED.format(rank=victim))
         assert healed["ok"] and healed["result"]["named"], healed
         assert f"replaced rank {victim}" in healed["result"]["note"], healed
         after = driver.ask(30, command="exec", code=RANKS_OF)["result"]
@@ -70,12 +72,7 @@ def test_ssh_started_ranks_train_across_hosts_a_killed_rank_comes_back_on_its_ho
         # and starts its replacement on host 1.
         frozen, _, frozen_pid, _ = next(rank for rank in after if rank[1] == "lab-ssh1")
         os.kill(frozen_pid, signal.SIGSTOP)
-        healed = driver.ask(240, command="exec", code=(
-            "import time\n"
-            "deadline = time.monotonic() + 30\n"
-            f"while {frozen} not in lab.cluster.broken_ranks() and time.monotonic() < deadline:\n"
-            "    time.sleep(0.1)\n"
-            f"result = dict(named=lab.cluster.broken_ranks().get({frozen}), note=lab.session.heal())\n"))
+        healed = driver.ask(240, command="exec", code=NAMED_THEN_HEALED.format(rank=frozen))
         assert healed["ok"] and "dropped by the controller" in (healed["result"]["named"] or ""), healed
         assert f"replaced rank {frozen}" in healed["result"]["note"], healed
         assert wait_for(lambda: not psutil.pid_exists(frozen_pid) or
