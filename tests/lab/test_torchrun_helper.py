@@ -45,7 +45,9 @@ def test_a_failing_script_raises_with_torchrun_s_own_words(tmp_path):
     script.write_text("import os\nprint('rank', os.environ['RANK'])\nraise SystemExit('the script gave up')\n")
     with pytest.raises(TorchrunFailed, match="(?s)torchrun exited with 1.*the script gave up"):
         torchrun(script, nproc=1, timeout=120)
-    script.write_text("import os, sys\nprint('rank', os.environ['RANK'], sys.argv[1:])\n")
+    # One write a line: with PYTHONUNBUFFERED (as in CI) print's pieces are separate writes, which the two
+    # workers sharing torchrun's output interleave ("rankrank  01 ...").
+    script.write_text("import os, sys\nsys.stdout.write(f\"rank {os.environ['RANK']} {sys.argv[1:]}\\n\")\n")
     result = torchrun(script, "--flag", "x", nproc=2, timeout=120)
     assert sorted(result.lines("rank")) == ["rank 0 ['--flag', 'x']", "rank 1 ['--flag', 'x']"]
     assert result.retried is None and result.seconds > 0
