@@ -33,7 +33,7 @@ from labkit.runs.dispatch import RankWork, make_output
 from labkit.runs.healing import Interrupted, TrainingRecord
 from labkit.runs.holder import RunHolder
 from labkit.runs.notebook_process import NotebookProcess
-from labkit.runs.recovery import recover, stale_reason, unusable_note
+from labkit.runs.recovery import dropped_notes, recover, split_broken, stale_reason, unusable_note
 from labkit.runs.sources import notebook_sources
 from labkit.spec.call_arguments import chosen_ranks
 from labkit.wire import entry
@@ -243,7 +243,8 @@ class Session:
     def heal(self) -> str | None:
         """Replace every rank that cannot work (a frozen one is killed first), let waiting engines join,
         rebuild the group; say so. The other ranks keep their namespaces. A lost rank that joined from
-        another machine is dropped, the ranks after it renumbered. The note printed, or None."""
+        another machine, or whose ssh host no longer answers, is dropped, the ranks after it renumbered.
+        The note printed, or None."""
         cluster = self.require_running()
         problem = cluster.infrastructure_problem()
         if problem:
@@ -264,8 +265,7 @@ class Session:
         """Replace or drop ``broken`` ranks, adopt ``joining`` engines, form the group; the note to show, and
         by rank the variables that held objects built on the groups of before (now unusable).
         ``reason``: what the process groups of before say when used again (a default names the change)."""
-        dropped = sorted(rank for rank in broken if cluster.records[rank].joined)
-        replaced = sorted(set(broken) - set(dropped))
+        dropped, replaced, cut_off = split_broken(cluster, broken)
         kept = [rank for rank in cluster.ranks if rank not in broken]  # these keep their namespaces
         parts = [f"rank {rank} {reason}" for rank, reason in sorted(broken.items())]
         if replaced:
@@ -274,9 +274,7 @@ class Session:
         if dropped or joining:
             hosts = sorted({info["host"] for _, info in joining})
             cluster.resize(dropped, joining)
-            if dropped:
-                parts.append(f"dropped {format_ranks(dropped)}, which joined from another machine and cannot be "
-                             "restarted from here; the ranks after them were renumbered")
+            parts.extend(dropped_notes(dropped, cut_off))
             if joining:
                 parts.append(f"{len(joining)} engine(s) joined from {', '.join(hosts)}")
             parts.append(f"the lab now has {self.world_size} ranks")

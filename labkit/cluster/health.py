@@ -5,7 +5,8 @@ machine: its exit code, a frozen state (SIGSTOP) and its sockets are visible
 here. A rank started elsewhere (MPI, SSH, Slurm, a joined machine) is known
 only through ipyparallel: the hub drops an engine whose heartbeats stop (it
 ended, froze, or its host became unreachable), and the nanny beside it reports
-at once when its process ends. Both views give the same few words, which the
+at once when its process ends; a rank in a Slurm job is also told by the job's
+state (cancelled, its node failed). All views give the same few words, which the
 status table and the failure messages use.
 """
 
@@ -58,9 +59,20 @@ def condition(cluster, rank: int) -> str | None:
         local = _local_condition(cluster, record.pid)
         if local is not None:
             return local
-    if cluster.client is not None and record.engine not in cluster.client.ids:
-        return DROPPED
-    return None
+    dropped = cluster.client is not None and record.engine not in cluster.client.ids
+    job = _job_condition(cluster, record, fresh=dropped)
+    if dropped:
+        return DROPPED + (f"; {job}" if job else "")
+    # Still answering, but the scheduler ended its job (its node failed, say): not to be used outside an allocation.
+    return f"lost its allocation: {job}" if job else None
+
+
+def _job_condition(cluster, record, fresh: bool) -> str | None:
+    """What ended the batch job a rank's engine set is (Slurm's), when it ended; None otherwise. ``fresh``: ask
+    the scheduler now, not what it said a moment ago (the rank was just seen lost)."""
+    engine_sets = getattr(cluster.cluster, "engines", None) or {}
+    ask = getattr(engine_sets.get(record.engine_set), "job_condition", None)
+    return ask(fresh=fresh) if ask is not None else None
 
 
 def _local_condition(cluster, pid: int) -> str | None:
@@ -160,6 +172,10 @@ def startup_failure(cluster, missing: int, dead: dict[str, int | None]) -> str:
     if missing:
         lines.append(f"{missing} engine(s) did not register within {cluster.start_timeout:g} s (start_timeout) "
                      f"with the {cluster.launcher.name} launcher")
+        for launcher in (cluster.cluster.engines.values() if cluster.cluster else ()):
+            note = getattr(launcher, "queue_note", lambda: None)()
+            if note:
+                lines.append(note)
     for name in sorted(dead)[:2] or ["rank0"]:
         if name.startswith("rank") and name[4:].isdigit():
             tail = log_tail(cluster.log_path(int(name[4:])))

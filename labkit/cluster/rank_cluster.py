@@ -9,10 +9,9 @@ ipyparallel's (MPI, SSH, Slurm, ...: one engine set for the ranks started
 together). Engines started elsewhere by ``python -m labkit join`` wait in a pool
 and become ranks at the next start or heal.
 
-As engines register, the cluster gives them ranks (``entry.become_rank``), numbered
-by host as torchrun does; it signals a rank through ipyparallel (its launcher, or the
-nanny of engines started elsewhere), tells why a rank cannot work (``cluster.health``),
-and on ``stop()`` leaves no process and no listening port behind.
+As engines register, the cluster gives them ranks (``entry.become_rank``), numbered by host as
+torchrun does; it signals a rank through ipyparallel (its launcher, or the nanny of engines started
+elsewhere), tells why a rank cannot work (``cluster.health``), and on ``stop()`` leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -33,7 +32,7 @@ from labkit.cluster import engines, health
 from labkit.cluster.engines import JOINED, RankRecord
 from labkit.cluster.hosted.host_client import HostError, ProcessHost
 from labkit.cluster.hosted.launchers import HostedControllerLauncher
-from labkit.cluster.launchers import LauncherChoice, choose_launcher, signal_one_engine
+from labkit.cluster.launchers import LauncherChoice, choose_launcher, reach_note, signal_one_engine
 from labkit.cluster.placement import RankPlan
 from labkit.cluster.workdir import WORKDIR_PREFIX, owner_only, remove_stale_workdirs, write_owner
 from labkit.spec.errors import LabError, StartupError, format_ranks
@@ -95,10 +94,11 @@ class RankCluster:
             self.stop()
             if isinstance(error, StartupError):
                 raise
-            if isinstance(error, (HostError, TimeoutError, OSError, RuntimeError)):
+            # A plain Exception: what ipyparallel's launchers raise (ssh's "Unable to get remote shell information").
+            if isinstance(error, (HostError, TimeoutError, OSError, RuntimeError)) or type(error) is Exception:
                 raise StartupError(
                     f"the lab did not start within {self.start_timeout:g} s (start_timeout): "
-                    f"{error or type(error).__name__}. Nothing was left running."
+                    f"{error or type(error).__name__}{reach_note(self.launcher)}. Nothing was left running."
                 ) from error
             raise
 

@@ -24,6 +24,32 @@ if TYPE_CHECKING:  # for annotations only: the session is a layer above, and thi
     from labkit.session import Session
 
 
+def split_broken(cluster, broken) -> tuple[list[int], list[int], dict[int, str]]:
+    """The ``broken`` ranks a repair drops (joined from elsewhere, or on a host ssh no longer reaches: those
+    with why), and those it replaces with fresh processes."""
+    from labkit.cluster.launchers import unreachable_ranks
+
+    joined = {rank for rank in broken if cluster.records[rank].joined}
+    cut_off = unreachable_ranks(cluster, set(broken) - joined)
+    dropped = sorted(joined | set(cut_off))
+    return dropped, sorted(set(broken) - set(dropped)), cut_off
+
+
+def dropped_notes(dropped: list[int], cut_off: dict[int, str]) -> list[str]:
+    """What a repair says of the ranks it dropped (see ``split_broken``)."""
+    joined = [rank for rank in dropped if rank not in cut_off]
+    notes = []
+    if joined:
+        notes.append(f"dropped {format_ranks(joined)}, which joined from another machine and cannot be restarted "
+                     "from here")
+    if cut_off:
+        notes.append(f"dropped {format_ranks(sorted(cut_off))}: {'; '.join(sorted(set(cut_off.values())))}, so "
+                     "nothing can be started again there")
+    if notes:
+        notes[-1] += "; the ranks after them were renumbered"
+    return notes
+
+
 def stale_reason(generation: int, replaced=(), dropped=(), joined: int = 0) -> str:
     """What a process group of ``generation`` says when used after the ranks changed."""
     changes = []

@@ -4,7 +4,9 @@
 its address; hosts 1 and 2 run Debian's sshd (``tests/netns_ssh.py``: a key pair the test makes, nothing else
 accepted, a host name of their own). ``Lab(ranks=4, launcher="ssh", engines={host1: 2, host2: 2})`` starts
 the engines over ssh; DDP across the hosts verifies equal to one process; a rank killed on host 2 is
-replaced through ssh on host 2, one frozen on host 1 is killed and replaced there; and after ``stop()`` nothing of the lab runs on either host.
+replaced through ssh on host 2, one frozen on host 1 is killed and replaced there; host 2 cut off the
+network is named and its ranks dropped (the lab goes on with host 1's); and after ``stop()`` (host 2 back)
+nothing of the lab runs on either host.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ def network():
         yield hosts, ssh
 
 
-def test_ssh_started_ranks_train_across_hosts_a_killed_rank_comes_back_on_its_host_and_stop_leaves_nothing(network):
+def test_ssh_started_ranks_train_across_hosts_come_back_on_their_host_a_cut_host_is_dropped_stop_leaves_nothing(network):
     hosts, ssh = network
     driver = DriverClient(hosts, name="ssh")
     stopped = False
@@ -82,6 +84,22 @@ def test_ssh_started_ranks_train_across_hosts_a_killed_rank_comes_back_on_its_ho
         summed = driver.ask(60, command="all_reduce", rounds=3)
         assert summed["ok"] and summed["sums"] == [4.0] * 4, summed
 
+        # Host 2 cut off the network: its ranks are dropped by the controller; the heal finds that ssh no longer
+        # reaches the host, names it, and drops them (the ranks after them renumbered) rather than wait for
+        # engines that cannot start there. The two ranks on host 1 go on as a world of 2.
+        on_host2 = sorted(rank for rank, host, _, _ in again if host == "lab-ssh2")
+        hosts.cut(2)
+        healed = driver.ask(240, command="exec", code=NAMED_THEN_HEALED.format(rank=on_host2[-1]))
+        note = healed["result"]["note"] if healed["ok"] else ""
+        assert f"dropped ranks {on_host2[0]}, {on_host2[1]}: its host {hosts.address(2)} cannot be reached over ssh" \
+            in note, healed
+        assert "the lab now has 2 ranks" in note, healed
+        summed = driver.ask(60, command="all_reduce", rounds=3)
+        assert summed["ok"] and summed["sums"] == [2.0] * 2, summed
+        left = driver.ask(30, command="exec", code=RANKS_OF)["result"]
+        assert [host for _, host, _, _ in left] == ["lab-ssh1", "lab-ssh1"], left
+        hosts.restore(2)
+
         stopped = driver.ask(90, command="stop")["ok"]
         assert stopped
     finally:
@@ -89,4 +107,4 @@ def test_ssh_started_ranks_train_across_hosts_a_killed_rank_comes_back_on_its_ho
             driver.ask(90, command="stop")
     # Nothing of the lab is left on either host once it stopped: engines, nannies, ssh sessions.
     for host in (1, 2):
-        assert wait_for(lambda: ssh.remote_pids(host) == [], 20), (host, ssh.remote_pids(host))
+        assert wait_for(lambda: ssh.remote_pids(host) == [], 30), (host, ssh.remote_pids(host))

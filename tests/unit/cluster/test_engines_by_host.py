@@ -101,3 +101,41 @@ def test_one_engine_of_a_set_is_signalled_through_its_own_launcher_by_pid_and_ho
     signal_one_engine(engines, 12, "node2", 9)  # ended already: nothing raised
     signal_one_engine(SimpleNamespace(), 10, "node2", 9)  # a set launcher without engines of its own
     assert got == [("node2", 10, 9)]
+
+
+def _refused_port() -> int:
+    """A local port nothing listens on (bound, then closed): a connection there is refused at once."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_a_host_ssh_cannot_reach_is_named_with_what_ssh_said_and_its_ranks_are_dropped_not_replaced():
+    import shutil
+    from types import SimpleNamespace
+
+    import pytest
+
+    from labkit.cluster.engines import RankRecord
+    from labkit.cluster.launchers import choose_launcher, reach_note, unreachable_ranks
+    from labkit.runs.recovery import dropped_notes
+
+    if shutil.which("ssh") is None:
+        pytest.skip("ssh is not installed: apt-get install openssh-client")
+    cut = f"127.0.0.1:{_refused_port()}"
+    choice = choose_launcher("ssh", engines={cut: 2}, ssh_args=["-o", "StrictHostKeyChecking=no"])
+    assert reach_note(choice).startswith(f"; ssh cannot reach {cut} (") and "refused" in reach_note(choice)
+    assert reach_note(choose_launcher("mpi")) == ""  # another launcher names no hosts
+
+    records = {rank: RankRecord(engine=rank, pid=100 + rank, host="far", slot="set:ranks1", engine_set="ranks1",
+                                launched_on=cut if rank >= 2 else None) for rank in range(4)}
+    cluster = SimpleNamespace(records=records, launcher=choice)
+    found = unreachable_ranks(cluster, [1, 2, 3])
+    assert sorted(found) == [2, 3] and found[2].startswith(f"its host {cut} cannot be reached over ssh (")
+    assert records[2].launched_on is None  # no signal is sent there through ssh any more
+    notes = dropped_notes([0, 2, 3], found)
+    assert notes[0] == "dropped rank 0, which joined from another machine and cannot be restarted from here"
+    assert notes[1].startswith(f"dropped ranks 2, 3: its host {cut} cannot be reached over ssh")
+    assert notes[1].endswith("so nothing can be started again there; the ranks after them were renumbered")
