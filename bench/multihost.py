@@ -1,6 +1,10 @@
-"""Multi-host benchmark: 4 ranks on one host (loopback) against 4 ranks on three network-namespace hosts.
+"""Multi-host benchmark: 4 ranks on one host (loopback) against 4 ranks on three network-namespace hosts,
+and a 4-rank lab started through each launcher on those hosts.
 
-    ./lab bench multihost [--steps 30] [--repeats 1] [--sizes 4096 262144 4194304] [--iters 10]
+    ./lab bench multihost [--part both|hosts|launchers] [--steps 30] [--repeats 1] [--sizes 4096 262144 4194304]
+                          [--iters 10] [--launcher-steps 20]
+
+**hosts** (the first part):
 
 Both labs have 4 gloo ranks with one thread each, and both are driven by the notebook side
 of the multi-host tests (``tests/multihost_driver.py``) running inside host 0 of
@@ -34,13 +38,26 @@ what separate network stacks and addresses cost (gloo over a veth interface and 
 instead of loopback, joined engines that are separate "machines" to the lab), not a physical
 network's bandwidth or latency.
 
-Needs root, iproute2 and unshare (exits with code 2, saying why, when namespaces cannot be
-made). Writes bench/results/multihost.json.
+**launchers** (the second part): the time from ``%lab start`` (``Lab(ranks=4, ...).start()`` in the driver, host
+0) to a ready 4-rank lab through each launcher, side by side in one run, and the DDP step (the zoo's mlp,
+``--launcher-steps`` steps after a 3-step warm-up, median of the slowest rank) on the ranks it started:
+
+  hosted    the lab's own launcher: 4 ranks forked on host 0, controller on 127.0.0.1 (the loopback baseline);
+  mpi       MPICH's ``mpiexec -n 4`` on host 0 (its hydra starts local processes; across hosts it would need
+            ssh or a resource manager of its own);
+  ssh       OpenSSH servers on hosts 1 and 2 (``tests/netns_ssh.py``), 2 engines each, controller on host 0;
+  slurm     slurmctld on host 0 and a slurmd on hosts 1 and 2 (``tests/netns_slurm.py``): one sbatch job of 4
+            tasks, 2 on each node.
+
+A launcher whose packages are missing is left out, saying what to install. Needs root, iproute2 and
+unshare (exits with code 2, saying why, when namespaces cannot be made). Writes bench/results/multihost.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import os
 import shutil
 import statistics
@@ -56,6 +73,8 @@ sys.path.insert(0, str(ROOT))  # the tests package: the namespace hosts and the 
 from results_file import write_results  # noqa: E402
 from tests.multihost_driver import DriverClient, DriverError  # noqa: E402
 from tests.netns_hosts import NetnsHosts, netns_unavailable  # noqa: E402
+from tests.netns_slurm import SlurmHosts, slurm_unavailable  # noqa: E402
+from tests.netns_ssh import SshHosts, ssh_unavailable  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "multihost.json"
 COMMON = dict(backend="gloo", threads_per_rank=1, timeout=300, start_timeout=120)  # a cell's limit: 300 s
@@ -242,6 +261,94 @@ def run(options) -> dict:
     return results
 
 
+LAUNCHERS = ("hosted", "mpi", "ssh", "slurm")
+
+
+def launcher_unavailable(name: str) -> str | None:
+    """Why ``name`` cannot run on the namespace hosts here (what to install), or None."""
+    if name == "mpi":
+        beside = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+        return None if shutil.which("mpiexec") or os.access(beside, os.X_OK) else "no mpiexec: pip install mpich"
+    return {"ssh": ssh_unavailable, "slurm": slurm_unavailable}.get(name, lambda: None)()
+
+
+def start_through(name: str, hosts: NetnsHosts, ssh: SshHosts | None, slurm: SlurmHosts | None,
+                  stderr=None) -> tuple[Driver, dict]:
+    """A driver in host 0 (its stderr to ``stderr``) and the start options of a 4-rank lab through ``name``."""
+    options = dict(ranks=4, launcher=name, **COMMON)
+    environment = None
+    if name == "ssh":
+        options.update(controller_address=hosts.address(0), **ssh.launcher_options({1: 2, 2: 2}))
+    elif name == "slurm":
+        options.update(controller_address=hosts.address(0))
+        environment = slurm.environment
+    return Driver(hosts, name, environment=environment, stderr=stderr), options
+
+
+RANK_HOSTS = "result = [lab.cluster.records[rank].host for rank in sorted(lab.cluster.records)]"
+
+
+def launchers_part(wanted=LAUNCHERS, steps: int = 20, verify: bool = False) -> dict:
+    """Each launcher of ``wanted`` in turn, a 4-rank lab on the same namespace hosts: time to ready, DDP step
+    (``verify``: checked equal to one process), time to stop. One that cannot run here is left out, saying why.
+    Notebook 11 calls this too."""
+    names = []
+    for name in wanted:
+        why = launcher_unavailable(name)
+        if why:
+            print(f"  {name}: left out here ({why})", flush=True)
+        else:
+            names.append(name)
+    if not names:
+        return {}
+    rows = {}
+    with NetnsHosts(count=3) as hosts:
+        # A launcher's servers only where it is measured (nullcontext gives None).
+        with (SshHosts(hosts, on=(1, 2)) if "ssh" in names else contextlib.nullcontext()) as ssh, \
+                (SlurmHosts(hosts, nodes=(1, 2)) if "slurm" in names else contextlib.nullcontext()) as slurm:
+            for name in names:
+                rows[name] = one_launcher(name, hosts, ssh, slurm, steps, verify)
+                if slurm is not None:
+                    rows[name]["jobs_after_stop"] = slurm.jobs()
+    base = rows.get("hosted", {}).get("ddp_mlp_step_seconds")
+    print(f"\n{'launcher':<10} {'ready (s)':>10} {'ddp mlp step (ms)':>18} {'step / hosted':>14} {'stop (s)':>9}  ranks on")
+    for name, row in rows.items():
+        row["step_over_hosted"] = row["ddp_mlp_step_seconds"] / base if base else None
+        ratio = f"{row['step_over_hosted']:.2f}x" if base else "-"
+        hosts_of = ", ".join(f"{host} x{row['rank_hosts'].count(host)}" for host in sorted(set(row["rank_hosts"])))
+        print(f"{name:<10} {row['ready_seconds']:>10.2f} {row['ddp_mlp_step_seconds'] * 1000:>18.1f} "
+              f"{ratio:>14} {row['stop_seconds'] or float('nan'):>9.2f}  {hosts_of}")
+    return rows
+
+
+def one_launcher(name: str, hosts: NetnsHosts, ssh, slurm, steps: int, verify: bool) -> dict:
+    """Start a 4-rank lab through ``name``, train DDP on it, stop it; what was measured."""
+    # The driver's stderr (torch's warnings about the hosts' names, ipyparallel's profile notes) to a file, read
+    # back only if it fails.
+    said = tempfile.TemporaryFile(mode="w+")
+    driver, start = start_through(name, hosts, ssh, slurm, stderr=said)
+    try:
+        began = time.monotonic()
+        started = driver.ask(240, **start, command="start")
+        ready = time.monotonic() - began
+        placed = driver.ask(30, command="exec", code=RANK_HOSTS)["result"]
+        driver.ask(420, command="train", strategy="ddp", model="mlp", steps=3, **QUIET)
+        trained = driver.ask(420, command="train", strategy="ddp", model="mlp", steps=steps, verify=verify, **QUIET)
+        if verify and trained["equivalent"] is not True:
+            raise DriverError(f"{name}: DDP over its ranks did not verify equal to one process: {trained['text']}")
+    except DriverError as error:
+        said.seek(0)
+        raise DriverError(f"{error}\nthe driver's stderr: {said.read()[-3000:]}") from None
+    finally:
+        stopped = driver.stop()
+        said.close()
+    print(f"  {name}: ready in {ready:.2f} s, ddp mlp step {trained['step_seconds'] * 1000:.1f} ms"
+          f"{', verified equal to one process' if verify else ''}, stopped in {stopped or float('nan'):.2f} s; "
+          f"ranks on {', '.join(placed)}", flush=True)
+    return {"ready_seconds": ready, "start_answer_seconds": started["seconds"], "rank_hosts": placed,
+            "ddp_mlp_step_seconds": trained["step_seconds"], "stop_seconds": stopped}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=30, help="steps of each DDP run (mlp and gpt)")
@@ -249,6 +356,9 @@ def main() -> None:
     parser.add_argument("--sizes", type=int, nargs="+", default=[4096, 262144, 4194304],
                         help="all-reduce message sizes in bytes")
     parser.add_argument("--iters", type=int, default=10, help="all-reduce iterations per size")
+    parser.add_argument("--part", choices=("both", "hosts", "launchers"), default="both",
+                        help="hosts: loopback against namespace hosts; launchers: each launcher's 4-rank lab")
+    parser.add_argument("--launcher-steps", type=int, default=20, help="DDP steps measured on each launcher's lab")
     parser.add_argument("--out", type=Path, default=RESULTS)
     options = parser.parse_args()
     why = netns_unavailable() or (None if shutil.which("unshare") else "util-linux's `unshare` is not installed")
@@ -256,13 +366,22 @@ def main() -> None:
         print(f"multihost benchmark needs network namespaces: {why}", file=sys.stderr)
         sys.exit(2)
     began = time.time()
-    settings = {key: value for key, value in vars(options).items() if key != "out"}
-    results = {"settings": {**settings, "ranks": 4, "backend": "gloo", "threads_per_rank": 1, "models": list(MODELS),
-                            "strategy": "ddp"},
-               "namespace_link": EXPLANATION}
-    results.update(run(options))
-    results["seconds"] = time.time() - began
-    print(f"\nwhole benchmark: {results['seconds'] / 60:.1f} min on {os.cpu_count()} cores")
+    settings = {key: value for key, value in vars(options).items() if key not in ("out", "part", "launcher_steps")}
+    results = {}
+    if options.part in ("both", "hosts"):
+        results = {"settings": {**settings, "ranks": 4, "backend": "gloo", "threads_per_rank": 1,
+                                "models": list(MODELS), "strategy": "ddp"}, "namespace_link": EXPLANATION}
+    if options.part in ("both", "hosts"):
+        results.update(run(options))
+    if options.part in ("both", "launchers"):
+        print("\na 4-rank lab through each launcher on the namespace hosts (time from start to ready):", flush=True)
+        results["launchers"] = {"settings": {"ranks": 4, "backend": "gloo", "threads_per_rank": 1, "model": "mlp",
+                                             "steps": options.launcher_steps, "when": time.strftime("%Y-%m-%dT%H:%M:%S")},
+                                "rows": launchers_part(steps=options.launcher_steps)}
+    results[f"seconds_{options.part}"] = time.time() - began
+    if options.part != "both" and options.out.exists():  # one part run again: the other part's results stay
+        results = {**json.loads(options.out.read_text()), **results}
+    print(f"\nwhole benchmark: {(time.time() - began) / 60:.1f} min on {os.cpu_count()} cores")
     write_results(options.out, results)
 
 

@@ -33,11 +33,12 @@ class DriverError(RuntimeError):
 class DriverClient:
     """Runs this module in host 0 of ``hosts`` and asks it one command at a time."""
 
-    def __init__(self, hosts, name: str = "lab", environment: dict | None = None):
+    def __init__(self, hosts, name: str = "lab", environment: dict | None = None, stderr=None):
+        """``environment``: added to the driver's; ``stderr``: where the driver's goes (by default, the caller's)."""
         self.name = name
         env = dict(os.environ, PYTHONUNBUFFERED="1", IPP_NONINTERACTIVE="1", **(environment or {}))
         self.process = hosts.popen(0, [sys.executable, os.path.abspath(__file__)], stdin=subprocess.PIPE,
-                                   stdout=subprocess.PIPE, text=True, env=env)
+                                   stdout=subprocess.PIPE, stderr=stderr, text=True, env=env)
         # A thread reads the lines: select() on the pipe would miss a line that readline() already
         # pulled into the file object's buffer (an answer arriving with the print before it), and wait forever.
         self.lines: queue.Queue[str | None] = queue.Queue()
