@@ -110,8 +110,9 @@ def wait_for_launched(cluster, count: int, deadline: float) -> list[tuple[int, d
         if new:
             continue
         dead = health.launch_failures(cluster)
-        if dead or time.monotonic() > deadline:
-            raise StartupError(health.startup_failure(cluster, count - len(found), dead))
+        never = health.never_starting(cluster)
+        if dead or never or time.monotonic() > deadline:
+            raise StartupError(health.startup_failure(cluster, count - len(found), dead, never))
         time.sleep(0.02)
     return sorted(found, key=lambda item: _hosted_rank(item[1]["slot"]))
 

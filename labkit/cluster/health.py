@@ -165,11 +165,22 @@ def _set_name(name: str) -> str:
     return f"rank {name[4:]}" if name.startswith("rank") and name[4:].isdigit() else f"engine set {name}"
 
 
-def startup_failure(cluster, missing: int, dead: dict[str, int | None]) -> str:
+def never_starting(cluster) -> str | None:
+    """What a batch system says of an engine set's job that can never run as asked (Slurm's), or None."""
+    for launcher in (cluster.cluster.engines.values() if cluster.cluster else ()):
+        said = getattr(launcher, "never_runs", lambda: None)()
+        if said:
+            return said
+    return None
+
+
+def startup_failure(cluster, missing: int, dead: dict[str, int | None], never: str | None = None) -> str:
     lines = []
     for name, code in sorted(dead.items()):
         lines.append(f"{_set_name(name)} exited while starting (exit code {code})")
-    if missing:
+    if never:
+        lines.append(f"{missing} engine(s) cannot start: {never}")
+    elif missing:
         lines.append(f"{missing} engine(s) did not register within {cluster.start_timeout:g} s (start_timeout) "
                      f"with the {cluster.launcher.name} launcher")
         for launcher in (cluster.cluster.engines.values() if cluster.cluster else ()):

@@ -175,12 +175,18 @@ def engines_by_host(engines: dict, environment: dict, only: str | None = None) -
     return chosen if chosen else engines_by_host(engines, environment)
 
 
-def signal_one_engine(engine_set, pid: int, launched_on: str, signum: int) -> None:
-    """Signal one engine of an engine set through its own launcher (ssh: ``kill`` on its host), by its pid and
-    host entry: an engine the controller dropped (frozen, say) still gets the SIGKILL that replaces it."""
+def signal_one_engine(engine_set, record, signum: int) -> None:
+    """Signal one engine of an engine set through its own launcher, by the rank's ``record`` (pid, host, host
+    entry): ssh's ``kill`` on the host it was started on, or a Slurm job step beside it on its node. An engine
+    the controller dropped (frozen, say) still gets the SIGKILL that replaces it."""
+    signal_task = getattr(engine_set, "signal_task", None)
+    if signal_task is not None:
+        signal_task(record.pid, record.host, signum)
+        return
+    launched_on = record.launched_on or ""
     for each in getattr(engine_set, "launchers", {}).values():
         host = str(getattr(each, "hostname", "") or "")
-        if getattr(each, "pid", None) == pid and host and host in launched_on:
+        if getattr(each, "pid", None) == record.pid and host and host in launched_on:
             with contextlib.suppress(Exception):  # it ended already
                 each.signal(signum)
 

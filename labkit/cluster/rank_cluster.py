@@ -314,8 +314,8 @@ class RankCluster:
         if record.host == socket.gethostname() and not record.joined:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(record.pid, signum)
-        elif record.launched_on is not None and self.cluster and record.engine_set:  # a host ssh reaches
-            signal_one_engine(self.cluster.engines.get(record.engine_set), record.pid, record.launched_on, signum)
+        elif self.cluster and record.engine_set:  # a host its launcher reaches (ssh, a Slurm job step)
+            signal_one_engine(self.cluster.engines.get(record.engine_set), record, signum)
 
     def replace(self, ranks, timeout: float | None = None) -> None:
         """Kill the given ranks' processes and start fresh ones in their place (not for joined ranks)."""

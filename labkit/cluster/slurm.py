@@ -10,7 +10,10 @@ user of the lab would otherwise meet:
   its time limit), asking ``scontrol`` at most every few seconds: a rank whose engine still answers but
   whose job the scheduler ended is named, and replaced, rather than used outside any allocation;
 - its jobs are not requeued: the lab replaces a lost rank itself, and a requeued job would start engines no
-  one asked for; ``queue_note()`` says why a job still waits, for the lab's "did not register" message;
+  one asked for; ``queue_note()`` says why a job still waits, for the lab's "did not register" message, and
+  ``never_runs()`` that it never will (``PartitionConfig``, a per-job limit): the start fails at once;
+- a failed ``sbatch`` says why (its stderr), and one task of the job can be signalled (``signal_task``: a
+  frozen rank is killed on its node, not left there until the job ends);
 - ``stop()`` cancels the job and waits (briefly) until ``squeue`` no longer lists it; stopping or signalling
   a job that ended already is not an error printed on the notebook's stderr.
 """
@@ -34,6 +37,11 @@ GONE_SECONDS = 20.0
 COMMAND_SECONDS = 10.0
 SETTLE_SECONDS = 3.0  # how long a job that is ending (COMPLETING) is watched for how it ended
 RUNNING_STATES = ("PENDING", "CONFIGURING", "RUNNING")
+# Reasons Slurm gives a pending job that no waiting changes (it asks more than the partition, the QOS or the
+# account allows one job, or what no node has): the lab says so at once instead of waiting out start_timeout.
+NEVER_REASONS = ("PartitionConfig", "PartitionNodeLimit", "PartitionTimeLimit", "BadConstraints", "InvalidAccount",
+                 "InvalidQOS", "QOSMaxCpuPerJobLimit", "QOSMaxNodePerJobLimit", "QOSMaxWallDurationPerJobLimit",
+                 "AssocMaxCpuPerJobLimit", "AssocMaxNodePerJobLimit", "AssocMaxWallDurationPerJobLimit")
 
 
 def _run(argv: list[str]) -> subprocess.CompletedProcess | None:
@@ -89,6 +97,7 @@ class SlurmEngineSet(SlurmEngineSetLauncher):
         if self.profile_dir:
             self.batch_file = os.path.join(self.profile_dir, self.batch_file_name)
 
+    _never_read = 0.0
     _condition_read = 0.0
     _condition: str | None = None
     _nodes = ""  # the job's nodes, as scontrol said while it ran
@@ -141,6 +150,21 @@ class SlurmEngineSet(SlurmEngineSetLauncher):
                 return fields
             time.sleep(0.2)
 
+    def never_runs(self) -> str | None:
+        """Slurm's word that the pending job can never run as asked, or None (asks at most once a second)."""
+        now = time.monotonic()
+        if not self.job_id or now - self._never_read < 1.0:
+            return None
+        self._never_read = now
+        done = _run(["scontrol", "show", "job", "-o", self.job_id])
+        fields = parse_show_job(done.stdout) if done is not None and done.returncode == 0 else {}
+        reason = fields.get("Reason", "")
+        if fields.get("JobState") != "PENDING" or reason not in NEVER_REASONS:
+            return None
+        return (f"Slurm job {self.job_id} can never run as asked (PENDING, reason {reason}: it asks for more than "
+                f"the partition, QOS or account allows one job, or than any node has; scontrol show partition and "
+                f"sinfo say what there is)")
+
     def queue_note(self) -> str | None:
         """What Slurm says of a job still waiting in its queue (no room for it), or None."""
         done = _run(["scontrol", "show", "job", "-o", self.job_id]) if self.job_id else None
@@ -154,6 +178,27 @@ class SlurmEngineSet(SlurmEngineSetLauncher):
         """Whether squeue still lists the job (running, or still ending)."""
         done = _run(["squeue", "-h", "-o", "%i", "-j", self.job_id])
         return done is not None and done.returncode == 0 and self.job_id in done.stdout.split()
+
+    def _run_command(self, command, **kwargs):
+        # ipyparallel's leaves the command's stderr on the notebook's and raises only its exit code: sbatch's
+        # reason for refusing a job ("Requested node configuration is not available") is what the user needs.
+        try:
+            done = subprocess.run(command, stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                                  timeout=COMMAND_SECONDS * 3, **kwargs)
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"`{shlex.join(command)}` did not answer within {COMMAND_SECONDS * 3:g} s: is "
+                               "slurmctld reachable from here?") from None
+        if done.returncode != 0:
+            said = " ".join(done.stderr.split()) or done.stdout.strip() or "nothing"
+            raise RuntimeError(f"`{shlex.join(command)}` failed (exit {done.returncode}): {said}")
+        return done.stdout
+
+    def signal_task(self, pid: int, node: str, sig: int) -> None:
+        """Signal one task of the job, the process ``pid`` on ``node``, with a step beside it (srun --overlap):
+        the only way to reach one frozen engine whose controller dropped it, short of cancelling the job."""
+        if self.job_id and node:
+            _run(["srun", f"--jobid={self.job_id}", "--overlap", f"--nodelist={node}", "--nodes=1", "--ntasks=1",
+                  "--quiet", "kill", f"-{int(sig)}", str(pid)])
 
     def signal(self, sig):
         # A job that ended already has nothing to signal: not an error on the notebook's stderr.

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import signal
 
+import psutil
 import pytest
 
 from tests.lab.test_launchers import wait_for
@@ -56,6 +57,14 @@ def test_slurm_job_ranks_train_across_nodes_and_scancel_a_killed_slurmd_and_stop
     driver = DriverClient(hosts, name="slurm", environment=slurm.environment)
     stopped = False
     try:
+        # More ranks than the cluster can ever hold: Slurm's reason, at once (not after start_timeout), and no
+        # job left behind.
+        refused = driver.ask(120, command="start", ranks=64, launcher="slurm", controller_address=hosts.address(0),
+                             timeout=60, start_timeout=60, threads_per_rank=1)
+        assert not refused["ok"] and "Slurm job 1 can never run as asked (PENDING, reason PartitionConfig" \
+            in refused["error"], refused
+        assert refused["seconds"] < 30 and slurm.jobs() == [], (refused, slurm.jobs())
+
         started = driver.ask(240, command="start", ranks=4, launcher="slurm", controller_address=hosts.address(0),
                              timeout=60, start_timeout=120, threads_per_rank=1)
         assert started["ok"], started
@@ -78,14 +87,29 @@ def test_slurm_job_ranks_train_across_nodes_and_scancel_a_killed_slurmd_and_stop
         assert summed["ok"] and summed["sums"] == [4.0] * 4, summed
         assert len(slurm.jobs()) == 2, slurm.jobs()
 
-        # The first job cancelled with scancel: its three ranks are named with the job's state, and replaced.
+        # A rank frozen (SIGSTOP) while idle: the controller drops it; the heal kills it on its node with a job
+        # step beside it (it would otherwise stay there, frozen, until its job ends) and replaces it.
+        frozen, _, frozen_pid, _ = ranks[0]
+        os.kill(frozen_pid, signal.SIGSTOP)
+        healed = heal_after(driver, [frozen])
+        assert "dropped by the controller" in (healed["named"][frozen] or "") and \
+            f"replaced rank {frozen}" in healed["note"], healed
+        assert wait_for(lambda: not psutil.pid_exists(frozen_pid) or
+                        psutil.Process(frozen_pid).status() == psutil.STATUS_ZOMBIE, 20), "the frozen rank was left"
+        summed = driver.ask(60, command="all_reduce", rounds=3)
+        assert summed["ok"] and summed["sums"] == [4.0] * 4, summed
+        ranks = driver.ask(30, command="exec", code=RANKS_OF)["result"]
+        victim = 3
+
+        # The first job cancelled with scancel: its two ranks left are named with the job's state, and replaced.
         cancelled = slurm.command(["scancel", first_job])
         assert cancelled.returncode == 0, cancelled
-        others = [rank for rank, *_ in ranks if rank != victim]
+        others = [rank for rank, _, _, engine_set in ranks if engine_set == "ranks1"]
+        assert others == [1, 2], ranks
         healed = heal_after(driver, others)
         for rank in others:
             assert f"Slurm job {first_job} was cancelled" in healed["named"][rank], healed
-        assert "replaced ranks 0, 1, 2" in healed["note"], healed
+        assert "replaced ranks 1, 2" in healed["note"], healed
         summed = driver.ask(60, command="all_reduce", rounds=3)
         assert summed["ok"] and summed["sums"] == [4.0] * 4, summed
         assert all(first_job != line.split()[0] for line in slurm.jobs()), slurm.jobs()

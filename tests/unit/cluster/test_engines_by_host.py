@@ -96,11 +96,20 @@ def test_one_engine_of_a_set_is_signalled_through_its_own_launcher_by_pid_and_ho
     engines = SimpleNamespace(launchers={"node1/0": engine("node1", 10), "node2/0": engine("node2", 10),
                                          "node2/1": engine("node2", 11),
                                          "node2/2": SimpleNamespace(hostname="node2", pid=12, signal=gone)})
-    signal_one_engine(engines, 10, "me@node2:2222", 9)
+    def rank(pid, launched_on):
+        return SimpleNamespace(pid=pid, host="lab-node2", launched_on=launched_on)
+
+    signal_one_engine(engines, rank(10, "me@node2:2222"), 9)
     assert got == [("node2", 10, 9)]  # the same pid on another host is another process
-    signal_one_engine(engines, 12, "node2", 9)  # ended already: nothing raised
-    signal_one_engine(SimpleNamespace(), 10, "node2", 9)  # a set launcher without engines of its own
+    signal_one_engine(engines, rank(12, "node2"), 9)  # ended already: nothing raised
+    signal_one_engine(SimpleNamespace(), rank(10, "node2"), 9)  # a set launcher without engines of its own
+    signal_one_engine(engines, rank(11, None), 9)  # no host entry (not started by ssh): nothing is sent
     assert got == [("node2", 10, 9)]
+    # A set that signals one task itself (Slurm's: a job step on the rank's node) gets the pid and host name.
+    tasks = []
+    slurm_set = SimpleNamespace(signal_task=lambda pid, node, signum: tasks.append((pid, node, signum)))
+    signal_one_engine(slurm_set, rank(13, None), 9)
+    assert tasks == [(13, "lab-node2", 9)]
 
 
 def _refused_port() -> int:

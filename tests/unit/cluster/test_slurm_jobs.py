@@ -74,3 +74,27 @@ def test_a_job_not_yet_submitted_has_no_condition_and_nothing_to_signal_or_stop(
     launcher = SlurmEngineSet(profile_dir=str(tmp_path), work_dir=str(tmp_path), cluster_id="c")
     assert launcher.job_condition() is None and launcher.queue_note() is None
     launcher.signal(9)  # no job: nothing runs, nothing raised
+
+
+def test_a_refused_submission_says_what_sbatch_said(tmp_path):
+    refuse = ["sh", "-c", "echo 'sbatch: error: Batch job submission failed: Invalid account' >&2; exit 1", "sbatch"]
+    launcher = SlurmEngineSet(config=Config({"SlurmEngineSet": {"submit_command": refuse}}), profile_dir=str(tmp_path),
+                              cluster_id="c")
+    with pytest.raises(RuntimeError, match=r"failed \(exit 1\): sbatch: error: Batch job submission failed: "
+                                           r"Invalid account"):
+        launcher.start(2)
+    assert launcher.never_runs() is None  # no job was submitted: nothing to ask Slurm
+
+
+def test_a_job_that_can_never_run_fails_the_start_naming_slurms_reason():
+    from types import SimpleNamespace
+
+    from labkit.cluster import health
+
+    never = "Slurm job 3 can never run as asked (PENDING, reason PartitionConfig: ...)"
+    sets = {"ranks1": SimpleNamespace(never_runs=lambda: None), "ranks2": SimpleNamespace(never_runs=lambda: never)}
+    cluster = SimpleNamespace(cluster=SimpleNamespace(engines=sets), start_timeout=60.0,
+                              launcher=SimpleNamespace(name="slurm"), log_path=lambda rank=None: "/nonexistent")
+    assert health.never_starting(cluster) == never
+    said = health.startup_failure(cluster, 4, {}, never)
+    assert said.startswith(f"4 engine(s) cannot start: {never}") and "did not register" not in said
