@@ -197,7 +197,9 @@ REACH_SECONDS = 5  # how long ssh may take to connect to a host before the lab c
 def unreachable_hosts(choice: LauncherChoice, hosts) -> dict[str, str]:
     """Which of ``hosts`` (entries of ssh's ``engines``: 'host', 'user@host', 'host:port') ssh cannot reach now,
     with what ssh said; all are tried at once, each within a few seconds. Another launcher's hosts: none."""
-    if "ssh_cmd" not in choice.engine_class.class_trait_names(config=True):
+    entries = sorted(set(hosts))
+    traits = getattr(choice.engine_class, "class_trait_names", None)  # a site's ranks have no launcher class
+    if not entries or traits is None or "ssh_cmd" not in traits(config=True):
         return {}
     ssh = list(choice.options.get("ssh_cmd", ["ssh"]))
     # The user's options first: for ssh the first value given for an option wins.
@@ -217,9 +219,6 @@ def unreachable_hosts(choice: LauncherChoice, hosts) -> dict[str, str]:
             return (done.stderr.strip().splitlines() or ["ssh failed"])[-1]
         return None
 
-    entries = sorted(set(hosts))
-    if not entries:
-        return {}
     with ThreadPoolExecutor(max_workers=len(entries)) as pool:
         said = dict(zip(entries, pool.map(probe, entries)))
     return {entry: reason for entry, reason in said.items() if reason is not None}

@@ -137,6 +137,10 @@ def test_a_host_ssh_cannot_reach_is_named_with_what_ssh_said_and_its_ranks_are_d
     choice = choose_launcher("ssh", engines={cut: 2}, ssh_args=["-o", "StrictHostKeyChecking=no"])
     assert reach_note(choice).startswith(f"; ssh cannot reach {cut} (") and "refused" in reach_note(choice)
     assert reach_note(choose_launcher("mpi")) == ""  # another launcher names no hosts
+    from labkit.cluster.site_cluster import SITE_LAUNCHER
+
+    assert unreachable_ranks(SimpleNamespace(records={0: SimpleNamespace(launched_on="x")}, launcher=SITE_LAUNCHER),
+                             [0]) == {}  # a site's ranks: no launcher class, nothing to probe
 
     records = {rank: RankRecord(engine=rank, pid=100 + rank, host="far", slot="set:ranks1", engine_set="ranks1",
                                 launched_on=cut if rank >= 2 else None) for rank in range(4)}
