@@ -92,8 +92,14 @@ def _slurm_class() -> type[Any]:
     return SlurmEngineSet
 
 
+def _ssh_class() -> type[Any]:
+    from labkit.cluster.ssh import SshEngineSet
+
+    return SshEngineSet
+
+
 # Launchers the lab replaces with its own subclass of ipyparallel's (same options, see each module).
-OWN_CLASSES = {HOSTED: _hosted_class, "slurm": _slurm_class}
+OWN_CLASSES = {HOSTED: _hosted_class, "slurm": _slurm_class, "ssh": _ssh_class}
 
 
 def launcher_names() -> list[str]:
