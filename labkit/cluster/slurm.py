@@ -91,7 +91,7 @@ def down_nodes(nodes: str) -> str:
 class SlurmEngineSet(SlurmEngineSetLauncher):
     """ipyparallel's Slurm engine launcher as the lab uses it; see the module docstring."""
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         # Beside the lab's own files, not in the notebook's folder (ipyparallel's Cluster gives work_dir='.').
         if self.profile_dir:

@@ -42,7 +42,7 @@ def shared_connection_args(folder: str, given: list[str]) -> list[str]:
 class HostShell(ShellCommandSend):
     """ipyparallel's remote shell, shared by the engines of one host: what it learns of the host once, it keeps."""
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, **kwargs) -> None:
         # Before ipyparallel's __init__, which asks the host for its shell already.
         self._lock = threading.Lock()
         self._python: bool | None = None
@@ -89,7 +89,7 @@ class SshEngineSet(SSHEngineSetLauncher):
 
     launcher_class = SshEngine
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         if self.profile_dir:
             self.ssh_args = [*self.ssh_args, *shared_connection_args(self.profile_dir, self.ssh_args)]
