@@ -91,9 +91,9 @@ class SshEngineSet(SSHEngineSetLauncher):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        if self.profile_dir:
-            self.ssh_args = [*self.ssh_args, *shared_connection_args(self.profile_dir, self.ssh_args)]
-            self.scp_args = [*self.scp_args, *shared_connection_args(self.profile_dir, self.scp_args)]
+        for options in ("ssh_args", "scp_args") if self.profile_dir else ():
+            given = list(getattr(self, options))
+            setattr(self, options, [*given, *shared_connection_args(self.profile_dir, given)])
         self._shells: dict[tuple, HostShell] = {}
         self._shells_lock = threading.Lock()
 
