@@ -226,6 +226,11 @@ class NetnsHosts:
         self._ip("-n", self.bridge_namespace, "link", "set", self._bridge_ends[i], "up")
         self._ip("-n", self.names[i], "link", "set", self._host_ends[i], "up")
 
+    def running_in(self, i: int, besides=()) -> list[str]:
+        """What runs in host i but the pids ``besides`` (a server the test keeps), as 'PID COMMAND'."""
+        self._check(i)
+        return running(pid for pid in map(int, ip("netns", "pids", self.names[i]).split()) if pid not in besides)
+
     def close(self) -> None:
         """Kill the processes started with ``popen``, delete every namespace made (which
         deletes their interfaces), and check that none is left. Safe to call more than once."""

@@ -54,7 +54,7 @@ import psutil
 
 from tests.netns_hosts import PREFIX, NetnsError, NetnsHosts, ip, netns_unavailable, remove_stale
 from tests.site_firewall import HostRules, firewall_tool, load_firewall
-from tests.site_probes import LISTENER, PROBER, WAIT_ACCEPTING, Probe, read_line, stop
+from tests.site_probes import LISTENER, PROBER, Probe, read_line, stop, wait_accepting
 
 PROBE_PORT = 5555        # a port that must stay closed: sites and the hub listen on it in checks
 HELPER_TIMEOUT = 10.0    # seconds a helper may take to start, or a command to finish
@@ -294,10 +294,8 @@ class SiteNetwork:
                                                   stdin=subprocess.DEVNULL, stdout=output, stderr=subprocess.STDOUT)
 
     def _wait_for_proxy(self) -> None:
-        waited = subprocess.run(self.hosts.command(self.proxy_host, [
-            sys.executable, "-c", WAIT_ACCEPTING, self.proxy_address, self.proxy_port, HELPER_TIMEOUT]),
-            capture_output=True, timeout=HELPER_TIMEOUT + 5)
-        if waited.returncode != 0 or self.proxy_process.poll() is not None:
+        accepting = wait_accepting(self.hosts, self.proxy_host, self.proxy_address, self.proxy_port, HELPER_TIMEOUT)
+        if not accepting or self.proxy_process.poll() is not None:
             said = (self.folder / "tinyproxy.out").read_text(errors="replace")[-2000:]
             raise NetnsError(f"tinyproxy is not accepting on {self.proxy_address}:{self.proxy_port} "
                              f"(exit {self.proxy_process.poll()}): {said}")

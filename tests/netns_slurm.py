@@ -24,13 +24,12 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-from tests.netns_hosts import NetnsError, NetnsHosts, ip, netns_unavailable, running
-from tests.site_probes import WAIT_ACCEPTING, stop
+from tests.netns_hosts import NetnsError, NetnsHosts, netns_unavailable
+from tests.site_probes import stop, wait_accepting
 
 DAEMONS = {"slurmctld": "/usr/sbin/slurmctld", "slurmd": "/usr/sbin/slurmd", "munged": "/usr/sbin/munged"}
 CLIENTS = ("sbatch", "squeue", "scancel", "sinfo", "srun")
@@ -180,10 +179,8 @@ PartitionName=lab Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=
         server.wait(timeout=10)
 
     def _wait_accepting(self, host: int, port: int, process: subprocess.Popen, log: Path) -> None:
-        waited = subprocess.run(self.hosts.command(host, [sys.executable, "-c", WAIT_ACCEPTING, self.hosts.address(host),
-                                                          port, START_TIMEOUT]), capture_output=True,
-                                timeout=START_TIMEOUT + 5)
-        if waited.returncode != 0 or process.poll() is not None:
+        if not wait_accepting(self.hosts, host, self.hosts.address(host), port, START_TIMEOUT) or \
+                process.poll() is not None:
             raise NetnsError(f"Slurm on host {host} is not accepting on port {port} (exit {process.poll()}): "
                              f"{self._tail(log)}")
 
@@ -230,8 +227,7 @@ PartitionName=lab Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=
     def node_pids(self, node: int) -> list[str]:
         """What runs on node ``node`` but its slurmd, as 'PID COMMAND' (an exited zombie is not running)."""
         server = self.slurmds.get(node)
-        return running(pid for pid in map(int, ip("netns", "pids", self.hosts.names[node]).split())
-                       if server is None or pid != server.pid)
+        return self.hosts.running_in(node, besides=[server.pid] if server else [])
 
     def close(self) -> None:
         """Cancel every job, stop the daemons, remove the folder."""

@@ -25,8 +25,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from tests.netns_hosts import NetnsError, NetnsHosts, ip, netns_unavailable, running
-from tests.site_probes import WAIT_ACCEPTING, stop
+from tests.netns_hosts import NetnsError, NetnsHosts, netns_unavailable
+from tests.site_probes import stop, wait_accepting
 
 SSHD = "/usr/sbin/sshd"
 START_TIMEOUT = 15.0
@@ -91,10 +91,7 @@ class SshHosts:
         self.servers[host] = self.hosts.popen(host, ["unshare", "--uts", "sh", "-c",
                                                      f"hostname {self.host_name(host)} && exec {SSHD} -D -e -f {config}"],
                                               stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
-        waited = subprocess.run(self.hosts.command(host, [sys.executable, "-c", WAIT_ACCEPTING, address, 22,
-                                                          START_TIMEOUT]), capture_output=True,
-                                timeout=START_TIMEOUT + 5)
-        if waited.returncode != 0 or self.servers[host].poll() is not None:
+        if not wait_accepting(self.hosts, host, address, 22, START_TIMEOUT) or self.servers[host].poll() is not None:
             said = (self.folder / f"{name}_sshd.log").read_text(errors="replace")[-2000:]
             raise NetnsError(f"sshd on host {host} is not accepting on {address}:22 "
                              f"(exit {self.servers[host].poll()}): {said}")
@@ -126,8 +123,7 @@ class SshHosts:
     def remote_pids(self, host: int) -> list[str]:
         """What runs in host ``host`` but its sshd, as 'PID COMMAND' (an exited zombie is not running)."""
         server = self.servers.get(host)
-        return running(pid for pid in map(int, ip("netns", "pids", self.hosts.names[host]).split())
-                       if server is None or pid != server.pid)
+        return self.hosts.running_in(host, besides=[server.pid] if server else [])
 
     def close(self) -> None:
         """Stop every sshd (its sessions' processes are the test's to check), remove the keys."""

@@ -13,6 +13,7 @@ import os
 import select
 import signal
 import subprocess
+import sys
 from typing import NamedTuple
 
 # Listens on the ports given; each connection gets "NAME:PORT\n" (so a client knows whom it
@@ -81,6 +82,13 @@ while time.monotonic() < deadline:
         time.sleep(0.05)
 sys.exit(1)
 """
+
+
+def wait_accepting(hosts, host: int, address: str, port: int, timeout: float) -> bool:
+    """Whether ``address:port`` accepts a connection from inside ``host`` of ``hosts`` within ``timeout`` s."""
+    waited = subprocess.run(hosts.command(host, [sys.executable, "-c", WAIT_ACCEPTING, address, port, timeout]),
+                            capture_output=True, timeout=timeout + 5)
+    return waited.returncode == 0
 
 
 class Probe(NamedTuple):

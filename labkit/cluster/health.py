@@ -165,13 +165,15 @@ def _set_name(name: str) -> str:
     return f"rank {name[4:]}" if name.startswith("rank") and name[4:].isdigit() else f"engine set {name}"
 
 
+def _batch_notes(cluster, question: str) -> list[str]:
+    """What the engine sets that are batch jobs (Slurm's) answer to ``question`` (a method name), where they do."""
+    sets = cluster.cluster.engines.values() if cluster.cluster else ()
+    return [said for launcher in sets if (said := getattr(launcher, question, lambda: None)())]
+
+
 def never_starting(cluster) -> str | None:
     """What a batch system says of an engine set's job that can never run as asked (Slurm's), or None."""
-    for launcher in (cluster.cluster.engines.values() if cluster.cluster else ()):
-        said = getattr(launcher, "never_runs", lambda: None)()
-        if said:
-            return said
-    return None
+    return next(iter(_batch_notes(cluster, "never_runs")), None)
 
 
 def startup_failure(cluster, missing: int, dead: dict[str, int | None], never: str | None = None) -> str:
@@ -183,10 +185,7 @@ def startup_failure(cluster, missing: int, dead: dict[str, int | None], never: s
     elif missing:
         lines.append(f"{missing} engine(s) did not register within {cluster.start_timeout:g} s (start_timeout) "
                      f"with the {cluster.launcher.name} launcher")
-        for launcher in (cluster.cluster.engines.values() if cluster.cluster else ()):
-            note = getattr(launcher, "queue_note", lambda: None)()
-            if note:
-                lines.append(note)
+        lines += _batch_notes(cluster, "queue_note")
     for name in sorted(dead)[:2] or ["rank0"]:
         if name.startswith("rank") and name[4:].isdigit():
             tail = log_tail(cluster.log_path(int(name[4:])))

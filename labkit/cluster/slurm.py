@@ -131,21 +131,23 @@ class SlurmEngineSet(SlurmEngineSetLauncher):
                 self._nodes = fields.get("NodeList", "") or self._nodes
                 self._condition = None
             else:
-                failed = down_nodes(self._nodes) if "NODE" in fields.get("JobState", "") + fields.get("Reason", "") \
-                    or fields.get("Reason") == "NodeDown" else ""
+                node_failed = fields.get("JobState") == "NODE_FAIL" or fields.get("Reason") == "NodeDown"
+                failed = down_nodes(self._nodes) if node_failed else ""
                 self._condition = describe_job(self.job_id, fields, failed)
         return self._condition
 
+    def _fields(self) -> dict[str, str] | None:
+        """The job's fields as ``scontrol show job`` gives them; None without a job, or when Slurm cannot say."""
+        done = _run(["scontrol", "show", "job", "-o", self.job_id]) if self.job_id else None
+        return parse_show_job(done.stdout) if done is not None and done.returncode == 0 else None
+
     def _show(self) -> dict[str, str] | None:
-        """The job's fields from scontrol; a job still ending for no reason given (cancelled, or its last
-        task ended) is asked again for a moment, until Slurm tells how it ended."""
+        """The job's fields; a job still ending for no reason given (cancelled, or its last task ended) is
+        asked again for a moment, until Slurm tells how it ended."""
         deadline = time.monotonic() + SETTLE_SECONDS
         while True:
-            done = _run(["scontrol", "show", "job", "-o", self.job_id])
-            if done is None or done.returncode != 0:
-                return None
-            fields = parse_show_job(done.stdout)
-            if fields.get("JobState") != "COMPLETING" or fields.get("Reason", "None") != "None" \
+            fields = self._fields()
+            if fields is None or fields.get("JobState") != "COMPLETING" or fields.get("Reason", "None") != "None" \
                     or time.monotonic() > deadline:
                 return fields
             time.sleep(0.2)
@@ -156,8 +158,7 @@ class SlurmEngineSet(SlurmEngineSetLauncher):
         if not self.job_id or now - self._never_read < 1.0:
             return None
         self._never_read = now
-        done = _run(["scontrol", "show", "job", "-o", self.job_id])
-        fields = parse_show_job(done.stdout) if done is not None and done.returncode == 0 else {}
+        fields = self._fields() or {}
         reason = fields.get("Reason", "")
         if fields.get("JobState") != "PENDING" or reason not in NEVER_REASONS:
             return None
@@ -167,8 +168,7 @@ class SlurmEngineSet(SlurmEngineSetLauncher):
 
     def queue_note(self) -> str | None:
         """What Slurm says of a job still waiting in its queue (no room for it), or None."""
-        done = _run(["scontrol", "show", "job", "-o", self.job_id]) if self.job_id else None
-        fields = parse_show_job(done.stdout) if done is not None and done.returncode == 0 else {}
+        fields = self._fields() or {}
         if fields.get("JobState") != "PENDING":
             return None
         return (f"Slurm job {self.job_id} is still waiting in the queue (PENDING, reason {fields.get('Reason', '?')}): "
