@@ -1,13 +1,11 @@
 """The ipyparallel cluster behind a lab: one controller, engines from a launcher, engines that joined.
 
-``RankCluster`` starts the process host and the controller on this machine,
-inside a private working directory (mode 0700), bound to the lab's controller
-address (loopback unless the lab spans machines). Engines come from the
-launcher the lab was given: the lab's own ("hosted": forked from the process
-host, one engine set per rank, so one rank can be replaced alone) or one of
-ipyparallel's (MPI, SSH, Slurm, ...: one engine set for the ranks started
-together). Engines started elsewhere by ``python -m labkit join`` wait in a pool
-and become ranks at the next start or heal.
+``RankCluster`` starts the process host and the controller on this machine, inside a private working
+directory (mode 0700), bound to the lab's controller address (loopback unless the lab spans machines).
+Engines come from the launcher the lab was given: the lab's own ("hosted": forked from the process host,
+one engine set per rank, so one rank can be replaced alone) or one of ipyparallel's (MPI, SSH, Slurm, ...:
+one engine set for the ranks started together). Engines started elsewhere by ``python -m labkit join``
+wait in a pool and become ranks at the next start or heal.
 
 As engines register, the cluster gives them ranks (``entry.become_rank``), numbered by host as
 torchrun does; it signals a rank through ipyparallel (its launcher, or the nanny of engines started
@@ -32,7 +30,8 @@ from labkit.cluster import engines, health
 from labkit.cluster.engines import JOINED, RankRecord
 from labkit.cluster.hosted.host_client import HostError, ProcessHost
 from labkit.cluster.hosted.launchers import HostedControllerLauncher
-from labkit.cluster.launchers import LauncherChoice, choose_launcher, reach_note, signal_one_engine
+from labkit.cluster.launchers import LauncherChoice, choose_launcher, signal_one_engine
+from labkit.cluster.ssh_reach import ssh_reach_note
 from labkit.cluster.placement import RankPlan
 from labkit.cluster.workdir import WORKDIR_PREFIX, owner_only, remove_stale_workdirs, write_owner
 from labkit.spec.errors import LabError, StartupError, format_ranks
@@ -98,7 +97,7 @@ class RankCluster:
             if isinstance(error, (HostError, TimeoutError, OSError, RuntimeError)) or type(error) is Exception:
                 raise StartupError(
                     f"the lab did not start within {self.start_timeout:g} s (start_timeout): "
-                    f"{error or type(error).__name__}{reach_note(self.launcher)}. Nothing was left running."
+                    f"{error or type(error).__name__}{ssh_reach_note(self.launcher)}. Nothing was left running."
                 ) from error
             raise
 

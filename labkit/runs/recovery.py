@@ -27,7 +27,7 @@ if TYPE_CHECKING:  # for annotations only: the session is a layer above, and thi
 def split_broken(cluster, broken) -> tuple[list[int], list[int], dict[int, str]]:
     """The ``broken`` ranks a repair drops (joined from elsewhere, or on a host ssh no longer reaches: those
     with why), and those it replaces with fresh processes."""
-    from labkit.cluster.launchers import unreachable_ranks
+    from labkit.cluster.ssh_reach import unreachable_ranks
 
     joined = {rank for rank in broken if cluster.records[rank].joined}
     cut_off = unreachable_ranks(cluster, set(broken) - joined)

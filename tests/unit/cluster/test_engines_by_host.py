@@ -128,15 +128,16 @@ def test_a_host_ssh_cannot_reach_is_named_with_what_ssh_said_and_its_ranks_are_d
     import pytest
 
     from labkit.cluster.engines import RankRecord
-    from labkit.cluster.launchers import choose_launcher, reach_note, unreachable_ranks
+    from labkit.cluster.launchers import choose_launcher
+    from labkit.cluster.ssh_reach import ssh_reach_note, unreachable_ranks
     from labkit.runs.recovery import dropped_notes
 
     if shutil.which("ssh") is None:
         pytest.skip("ssh is not installed: apt-get install openssh-client")
     cut = f"127.0.0.1:{_refused_port()}"
     choice = choose_launcher("ssh", engines={cut: 2}, ssh_args=["-o", "StrictHostKeyChecking=no"])
-    assert reach_note(choice).startswith(f"; ssh cannot reach {cut} (") and "refused" in reach_note(choice)
-    assert reach_note(choose_launcher("mpi")) == ""  # another launcher names no hosts
+    assert ssh_reach_note(choice).startswith(f"; ssh cannot reach {cut} (") and "refused" in ssh_reach_note(choice)
+    assert ssh_reach_note(choose_launcher("mpi")) == ""  # another launcher names no hosts
     from labkit.cluster.site_cluster import SITE_LAUNCHER
 
     assert unreachable_ranks(SimpleNamespace(records={0: SimpleNamespace(launched_on="x")}, launcher=SITE_LAUNCHER),
