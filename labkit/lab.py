@@ -26,13 +26,14 @@ from labkit.spec.mesh import MeshError, MeshSpec
 from labkit.units import positive_seconds
 from labkit.views.metrics import DEFAULT_THRESHOLD
 from labkit.wire import entry
+from labkit.window import LabWindow
 
 DEFAULT_TIMEOUT = 300.0
 DEFAULT_START_TIMEOUT = 60.0
 DEFAULT_INTERRUPT_GRACE = 5.0
 
 
-class Lab(LabSites):
+class Lab(LabSites, LabWindow):
     """A set of live torch.distributed ranks on ipyparallel engines.
 
     ranks: number of ranks (processes). backend: 'gloo' or 'nccl' (default: nccl when GPUs are visible, one rank
@@ -223,25 +224,6 @@ class Lab(LabSites):
         Notebook functions and classes travel by source, modules by name, the rest pickled; what cannot
         travel is refused before any rank is asked (``labkit.runs.push``). A name ``ranks``: in a dict."""
         push_values(self.session, {**(values or {}), **named}, ranks)
-
-    def run_cell(
-        self, code: str, ranks=None, timeout: float | None = None, live: bool | None = None, show_values: bool = False,
-        cell: int | None = None, instruments: bool = False, dashboard: bool = False, background: bool = False,
-    ):
-        """Run notebook code on the ranks (all, or ``ranks``); output is labelled by rank.
-
-        Returns the repr of each rank's last expression (None where there is none); ``show_values`` also prints
-        them as ``[rank r] Out: ...``, as ``%%lab`` does. ``live`` forces (True) or avoids (False) the redrawn
-        display. ``cell``: the execution count of the ``%%lab`` cell ``code`` is from (tracebacks name it).
-        ``instruments``, ``dashboard``, ``background``: its loop is watched, as ``run_script``'s."""
-        if instruments or dashboard or background:
-            from labkit.runs.script_run import run_cell
-
-            return run_cell(self.session, code, cell, ranks, timeout, dashboard, background)
-        # The ranks are named after the heal that comes first (it may renumber them).
-        reports = self.session.execute(ranks, entry.run_cell, (code, cell, None), timeout, live=live,
-                                       show_values=show_values)
-        return [reports[rank].get("display") for rank in sorted(reports)]
 
     def run_script(self, path: str, *args, ranks=None, timeout: float | None = None, instruments: bool = False,
                    dashboard: bool = False, background: bool = False):

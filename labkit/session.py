@@ -87,6 +87,7 @@ class Session:
         self.last_training: TrainingRecord | None = None  # what the ranks' TrainState holds
         self.said: set[str] = set()  # notes the user has been told once and need not read again
         self.interrupted: Interrupted | None = None  # the last run, when it failed before its end
+        self.last_failure: RankFailure | None = None  # the last failed work (%lab debug starts at a rank that raised)
         self._holder: RunHolder | None = None  # long work that owns the ranks (a TrainingRun, a TaskQueue)
         self.foreground: RankWork | None = None  # the work a call (a cell, lab.run) waits for now: lab.status shows it
         self._holder_lock = threading.Lock()
@@ -230,8 +231,9 @@ class Session:
         except LabError as error:
             recovery = f"The process group could not be rebuilt ({error}); call lab.restart() (or %lab restart)."
         kind = RankInterrupted if work.interrupted else RankTimeout if work.timed_out else RankFailure
-        return kind(reports, timed_out=work.timed_out, timeout_seconds=limit, interrupted=work.interrupted,
-                    replaced=tuple(work.replaced), recovery=recovery, deadlock=work.deadlock or "")
+        self.last_failure = kind(reports, timed_out=work.timed_out, timeout_seconds=limit, interrupted=work.interrupted,
+                                 replaced=tuple(work.replaced), recovery=recovery, deadlock=work.deadlock or "")
+        return self.last_failure
 
     def ready(self) -> RankCluster:
         """Idle ranks that can all work: a rank that died, froze or was dropped since the last
@@ -302,7 +304,7 @@ class Session:
 
     def execute(self, ranks: int | Iterable[int] | None, work_entry: Callable, args: tuple,
                 timeout: float | None = None, live: bool | None = None,
-                show_values: bool = False) -> dict[int, RankReport]:
+                show_values: bool = False, view: str | None = None) -> dict[int, RankReport]:
         """User work on ``ranks`` (None: every rank) within ``timeout``: every rank's report (by rank), or
         one raised failure. The ranks are healed first and only then targeted: a heal may drop a lost rank that joined
         from another machine and renumber the others, so "every rank" means every rank after it."""
@@ -313,13 +315,15 @@ class Session:
         if self.world_size != before and asked == list(range(before)):
             ranks = None  # the caller listed every rank the lab had: it meant all of them
         ranks = self.targets(ranks)
-        work = self.begin(ranks, work_entry, args, limit, make_output(ranks, live=live, show_values=show_values))
+        work = self.begin(ranks, work_entry, args, limit, make_output(ranks, live=live, show_values=show_values,
+                                                                      view=view))
         self.foreground = work
         try:
             reports = work.wait()
         finally:
             if self.foreground is work:
                 self.foreground = None
+            work.forget_results()
         if work.failed:
             raise self.failure(work, reports, limit)
         return reports

@@ -16,10 +16,9 @@ that never stops a run early nor slows a rank never loads torch here.
 from __future__ import annotations
 
 import json
-import socket
-from datetime import timedelta
 
 from labkit.spec.errors import LabConfigError, LabError
+from labkit.wire.store_client import store_client
 from labkit.wire.store_keys import REQUEST_KEY, SLOW_KEY, STOP_KEY, VERSION_KEY
 
 # The store answers in microseconds when rank 0 is well; a frozen rank 0 must not freeze the notebook.
@@ -90,12 +89,5 @@ class ControlRequests:
 
     def _connect(self):
         if self._client is None:
-            host, port = self.address
-            # torch's client retries a refused connection until its timeout: a plain connect first says
-            # at once that nothing listens there (rank 0 died).
-            socket.create_connection((host, port), timeout=WRITE_TIMEOUT_SECONDS).close()
-            import torch.distributed as dist  # only a lab that sends requests pays for it
-
-            self._client = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
-                                         timeout=timedelta(seconds=WRITE_TIMEOUT_SECONDS))
+            self._client = store_client(*self.address, WRITE_TIMEOUT_SECONDS)  # torch: only a lab that sends requests
         return self._client

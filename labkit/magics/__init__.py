@@ -14,6 +14,7 @@
     %%lab [--ranks 0,2] [--timeout 30]
     ...                       run the cell on every rank (or the given ones)
     %lab status               one row per rank
+    %lab who [--ranks 0,2]    the ranks' variables, and where ranks differ
     %lab timeout 60           default time limit for each cell, in seconds
     %lab restart | stop       fresh processes | stop everything
 
@@ -27,7 +28,8 @@ The modules, by job:
 - ``values``: words into values (time limits, rank lists, sizes, durations);
 - ``parsers``, ``train_args``: the parsers of ``start``, ``bench``, ``push``, ``%%lab`` and ``train``;
 - ``queue``: ``%lab tasks`` and ``%lab ensemble``; ``network``: ``%lab start``'s options for other
-  machines and ``%lab join-command``; ``link``: the words of ``%lab link``.
+  machines and ``%lab join-command``; ``link``: the words of ``%lab link``;
+- ``completion``: Tab in a ``%%lab`` cell completes from the ranks' names (an IPython matcher).
 """
 
 from __future__ import annotations

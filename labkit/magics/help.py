@@ -42,11 +42,17 @@ def described_parsers() -> dict[str, CommandParser]:
                             help="load PATH (or the newest checkpoint in a checkpoint_dir), resharded to these ranks")
     kill = command_parser("kill", usage="%lab kill RANK")
     kill.add_argument("rank", metavar="RANK", help="the rank to kill")
+    debug = command_parser("debug", usage="%lab debug [RANK]")
+    debug.add_argument("rank", metavar="RANK", help="the rank whose last exception to open (default: the first "
+                                                    "rank that raised in the last failed work)")
     timeout = command_parser("timeout", usage="%lab timeout S")
     timeout.add_argument("seconds", metavar="S", help="seconds a cell may run before its ranks are interrupted")
+    auto = command_parser("auto", usage="%lab auto [on|off]")
+    auto.add_argument("on", metavar="on", help="(or nothing) every following cell runs on the ranks, as %%%%lab")
+    auto.add_argument("off", metavar="off", help="cells run in the notebook again")
     bare = {name: command_parser(name, usage=f"%lab {name}") for name in BARE}
     return dict(mesh=mesh, slow=slow, link=link, seed=seed, run=run, checkpoint=checkpoint, kill=kill,
-                timeout=timeout, **bare)
+                timeout=timeout, auto=auto, debug=debug, **bare)
 
 
 def overview() -> str:

@@ -18,16 +18,19 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 
 from labkit.lab import Lab
+from labkit.magics.auto import AutoMode
 from labkit.magics.commands import CELL
+from labkit.magics.completion import add_rank_matcher, remove_rank_matcher
 from labkit.magics.help import described_parsers, overview
 from labkit.magics.link import link_command
 from labkit.magics.network import join_command_line, join_parser, network_settings
-from labkit.magics.parsers import bench_parser, cell_parser, push_parser, start_parser
+from labkit.magics.parsers import bench_parser, cell_parser, push_parser, start_parser, who_parser
 from labkit.magics.parsing import HELP_WORDS, CommandParser, HelpShown, asks_for_help, unknown_word
 from labkit.magics.queue import ensemble_command, ensemble_parser, tasks_command, tasks_parser
 from labkit.magics.train_args import notebook_values, train_parser
 from labkit.magics.values import duration, rank_list, run_own_words, seconds, split_run_words
 from labkit.spec.mesh import MeshSpec
+from labkit.views.rank_blocks import rank_label
 
 if TYPE_CHECKING:
     from IPython.core.interactiveshell import InteractiveShell
@@ -35,7 +38,7 @@ if TYPE_CHECKING:
 # Commands whose parser reads their words (the others' parsers only describe them, for --help).
 _OWN_PARSERS: dict[str, Callable[[], CommandParser]] = {
     "start": start_parser, "train": train_parser, "bench": bench_parser, "push": push_parser, CELL: cell_parser,
-    "join-command": join_parser}
+    "join-command": join_parser, "who": who_parser}
 
 
 @magics_class
@@ -47,6 +50,8 @@ class LabMagics(Magics):
         self._shell = shell  # also IPython's ``self.shell``, which its type leaves optional
         self.lab: Lab | None = None
         self._parsers: dict[str, CommandParser] = {}
+        self._auto = AutoMode(shell)  # %lab auto: every cell that follows runs on the ranks until %lab auto off
+        self._rank_matcher = add_rank_matcher(shell, self)  # Tab in the ranks' code completes from their names
 
     def _parser(self, command: str) -> CommandParser:
         """``command``'s parser (``CELL`` for ``%%lab``), made on first use and kept: train's lists every
@@ -84,13 +89,16 @@ class LabMagics(Magics):
         %lab bench allreduce|all_gather|reduce_scatter|broadcast [--sizes 1KB:16MB] [--iters N]
         %lab checkpoint save|load PATH   save or load the ranks' training state (torch.distributed.checkpoint)
         %lab kill RANK | %lab heal      SIGKILL a rank; replace what died and go on from the last checkpoint
+        %lab debug [RANK]   pdb on a rank's last exception (default: the first rank that raised); see lab.debug
         %lab tasks FN ITEMS [--timeout S]   FN(item) for each item, on whichever rank is idle
         %lab ensemble [--model gpt] [--members 4] [--vary seed|lr] [--combine mean|vote]
         %lab start N --launcher mpi|ssh|slurm [--launcher-option K=V] [--controller-address A] [--encrypt]
         %lab join-command [--https]   the line that makes another machine join: as the next rank, or as a site
         %lab sites      the machines that joined over HTTPS (sites): their engines and line
         %lab status | %lab timeout S | %lab restart | %lab stop
-        %%lab [--ranks 0,2] [--site NAME] [--timeout S] [--dashboard]   run the cell on the ranks (of a site)
+        %lab who [--ranks 0,2]   the ranks' variables: type, shape, dtype, device, parameters; where ranks differ
+        %lab auto [off]   every following cell runs on the ranks (a cell starting with a magic runs here)
+        %%lab [--ranks 0,2] [--site NAME] [--timeout S] [--dashboard] [--view tabs|grid]   run the cell on the ranks
         %lab --help | %lab COMMAND --help      every command in one line | one command's options
         """
         if cell is not None:
@@ -118,12 +126,15 @@ class LabMagics(Magics):
             "checkpoint": self.checkpoint,
             "kill": self.kill,
             "heal": self.heal,
+            "debug": self.debug,
             "tasks": lambda words: tasks_command(self._require_lab, words, self._shell.user_ns),
             "ensemble": lambda words: ensemble_command(self._require_lab, words),
             "join-command": lambda words: join_command_line(self._require_lab(),
                                                             self._parser("join-command").parse_args(words)),
             "sites": lambda words: print(self._require_lab().sites),
             "status": self.status,
+            "who": self.who,
+            "auto": self.auto_command,
             "timeout": self.timeout,
             "restart": self.restart,
             "stop": self.stop,
@@ -141,6 +152,25 @@ class LabMagics(Magics):
             return handlers[command](rest)
         except HelpShown:  # a parser printed its help
             return None
+
+    @property
+    def auto(self) -> bool:
+        """Whether every cell runs on the ranks (``%lab auto``)."""
+        return self._auto.on
+
+    @auto.setter
+    def auto(self, on: bool) -> None:
+        self._auto.set(on)
+
+    def auto_command(self, words: list[str]) -> None:
+        if len(words) > 1 or (words and words[0] not in ("on", "off")):
+            raise UsageError("write %lab auto (or %lab auto on) to run every cell on the ranks, %lab auto off to stop")
+        on = not words or words[0] == "on"
+        if on:
+            self._require_lab()
+        self.auto = on
+        print("every cell now runs on the ranks, as %%lab; a cell starting with a magic (%lab auto off) runs here"
+              if on else "cells run in the notebook again")
 
     def _require_lab(self) -> Lab:
         if self.lab is None or not self.lab.running:
@@ -225,6 +255,13 @@ class LabMagics(Magics):
             raise UsageError("%lab heal takes no arguments")
         return self._require_lab().heal()
 
+    def debug(self, words: list[str]) -> None:
+        if len(words) > 1 or (words and not words[0].isdigit()):
+            raise UsageError("say which rank, e.g. %lab debug 1 (alone: the first rank that raised in the last "
+                             "failed work)")
+        self._require_lab().debug(int(words[0]) if words else None)
+        return None
+
     def slow(self, words: list[str]) -> None:
         lab = self._require_lab()
         if len(words) != 2:
@@ -289,6 +326,10 @@ class LabMagics(Magics):
             return None
         return self.lab.status()
 
+    def who(self, words: list[str]) -> Any:
+        options = self._parser("who").parse_args(words)  # mistakes first, lab or not
+        return self._require_lab().who(ranks=options.ranks)
+
     def stop(self, words: list[str]) -> None:
         if self.lab is None or not self.lab.running:
             print("no lab is running")
@@ -319,14 +360,22 @@ class LabMagics(Magics):
 
     def _run_cell(self, line: str, cell: str) -> Any:
         options = self._parser(CELL).parse_args(shlex.split(line))
+        if options.auto and (self.lab is None or not self.lab.running):
+            raise UsageError("no lab is running, and %lab auto sends every cell to the ranks: start one with "
+                             "%lab start 4, or run cells here again with %lab auto off")
         lab = self._require_lab() if options.site is None else self._require_lab().site(options.site)
         watched = dict(instruments=options.instruments, dashboard=options.dashboard, background=options.background)
+        if options.auto:  # a reader of the saved notebook sees where the cell ran
+            ranks = options.ranks if options.ranks is not None else range(lab.world_size)
+            print(f"%lab auto: on {rank_label(list(ranks))[1:-1]}")
         value = lab.run_cell(cell, ranks=options.ranks, timeout=options.timeout, show_values=True,
-                             cell=self._shell.execution_count, **watched)
+                             cell=self._shell.execution_count, view=options.view, **watched)
         return value if any(watched.values()) else None
 
     # -- extension lifecycle ---------------------------------------------------
 
     def close(self) -> None:
+        remove_rank_matcher(self._shell, self._rank_matcher)
+        self.auto = False
         if self.lab is not None:
             self.lab.stop()

@@ -1,4 +1,5 @@
-"""The parsers of the commands whose options argparse reads: ``%lab start``, ``bench``, ``push`` and ``%%lab``.
+"""The parsers of the commands whose options argparse reads: ``%lab start``, ``bench``, ``push``, ``who``
+and ``%%lab``.
 
 ``%lab train``'s is in ``train_args`` (its options come from the catalog), those
 of ``%lab tasks`` and ``%lab ensemble`` beside their commands in ``queue``; all
@@ -7,6 +8,9 @@ are made by ``parsing.command_parser``.
 
 from __future__ import annotations
 
+import argparse
+
+from labkit.magics.auto import AUTO_FLAG
 from labkit.magics.commands import CELL
 from labkit.magics.network import add_network_arguments
 from labkit.magics.parsing import CommandParser, command_parser
@@ -50,8 +54,8 @@ def push_parser() -> CommandParser:
 
 
 def cell_parser() -> CommandParser:
-    """``%%lab [--ranks 0,2] [--site NAME] [--timeout S] [--instruments] [--dashboard] [--background]``: the cell
-    magic's line."""
+    """``%%lab [--ranks 0,2] [--site NAME] [--timeout S] [--instruments] [--dashboard] [--background]
+    [--view tabs|grid]``: the cell magic's line."""
     cell = command_parser(CELL)
     cell.add_argument("--ranks", type=rank_list, metavar="0,2", help="run on these ranks only")
     cell.add_argument("--site", metavar="NAME", help="on the ranks of this site (a machine that joined over HTTPS)")
@@ -59,4 +63,14 @@ def cell_parser() -> CommandParser:
     cell.add_argument("--instruments", action="store_true", help="watch the cell's loop: its report is the value")
     cell.add_argument("--dashboard", action="store_true", help="draw the cell's loop live (instruments on)")
     cell.add_argument("--background", action="store_true", help="return at once; .stop() ends it at a step")
+    cell.add_argument("--view", choices=("tabs", "grid"),
+                      help="each rank's output on a page of its own: tabs, or a grid of columns")
+    cell.add_argument(AUTO_FLAG, action="store_true", help=argparse.SUPPRESS)  # a cell %lab auto sent to the ranks
     return cell
+
+
+def who_parser() -> CommandParser:
+    """``%lab who [--ranks 0,2]``."""
+    who = command_parser("who")
+    who.add_argument("--ranks", type=rank_list, metavar="0,2", help="list the variables of these ranks only")
+    return who

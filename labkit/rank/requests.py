@@ -1,4 +1,4 @@
-"""What the notebook asks of a rank beyond its runtime's own methods: train, save, load, seed, push.
+"""What the notebook asks of a rank beyond its runtime's own methods: train, save, load, seed, push, names.
 
 The functions the notebook sends (``labkit.wire.entry``) are importable on both
 sides and know nothing of the rank's code: each reaches the rank's runtime
@@ -128,3 +128,18 @@ class RankRequests:
 
         runtime = self.runtime
         return runtime.call(receive, (items, runtime.namespace), {}, sources, timeout_seconds)
+
+    def complete_names(self, code: str, offset: int) -> list[tuple[int, int, str, str]]:
+        from IPython import get_ipython
+
+        from labkit.rank.names import complete
+
+        return complete(get_ipython(), self.runtime.namespace, code, offset)
+
+    def describe_names(self) -> dict:
+        from IPython import get_ipython
+
+        from labkit.rank.names import describe_names
+
+        shell = get_ipython()
+        return describe_names(self.runtime.namespace, shell.user_ns_hidden if shell is not None else {})

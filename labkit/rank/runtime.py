@@ -32,6 +32,8 @@ import torch
 import torch.distributed as dist
 
 from labkit.rank.context import RankContext
+from labkit.rank.debugger import RankDebugging
+from labkit.rank.displays import RankDisplays
 from labkit.rank.environment import (device_name, process_group_backend, seed_as_asked, seed_independently,
                                      nccl_seconds, torchrun_environment)
 from labkit.rank.failures import error_info
@@ -98,6 +100,10 @@ class RankRuntime(RankContext):
         # torch read TORCH_DISTRIBUTED_DEBUG when it was imported, before this rank's settings came: again.
         dist.set_debug_level_from_env()
         self._publish_names()
+        from IPython import get_ipython
+
+        self.displays = RankDisplays.for_shell(get_ipython())  # what work displays reaches the notebook, marked and bounded
+        self.debugging = RankDebugging.installed(self, _own_files)  # post-mortem and breakpoint() for the notebook
         self.whereabouts = Whereabouts(self)  # while user work runs: its line and collectives, for the notebook
         self.whereabouts.start()
 
@@ -262,16 +268,26 @@ class RankRuntime(RankContext):
             code = "\n" + code  # the %%lab line: line numbers are the editor's, syntax errors' too
         linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
 
+        rich: list[dict] = []  # the last value's richer forms than its repr, when it has any
+
         def body():
             tree = ast.parse(code, filename)
             last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
             exec(compile(tree, filename, "exec"), self.namespace)
             if last is not None:
                 value = eval(compile(ast.Expression(last.value), filename, "eval"), self.namespace)
-                return None if value is None else repr(value)
+                if value is None:
+                    return None
+                shown = self.displays.rich(value)
+                if shown:
+                    rich.append(shown)
+                return repr(value)
             return None
 
-        return self._guarded(self._watched(body, watch), timeout_seconds, result_key="display")
+        report = self._guarded(self._watched(body, watch), timeout_seconds, result_key="display")
+        if rich and report.get("ok") and watch is None:
+            report["rich"] = rich[0]
+        return report
 
     def call(self, fn, args, kwargs, sources: dict | None, timeout_seconds: float) -> dict:
         """Call ``fn``; ``sources`` (filename -> lines) lets tracebacks show notebook-defined code."""
@@ -318,6 +334,7 @@ class RankRuntime(RankContext):
 
         started = time.perf_counter()
         self.set_collective_timeout(timeout_seconds)
+        self.displays.begin()
         self.whereabouts.began()
         try:
             with self.user_process.user_umask(), \
@@ -331,6 +348,7 @@ class RankRuntime(RankContext):
             return self._failed(error, started)
         finally:
             self.whereabouts.ended()
+            self.displays.end()  # figures drawn and not shown, as after a Jupyter cell
             sys.stdout.flush()
             sys.stderr.flush()
         return {"rank": self.rank, "ok": True, result_key: value, "seconds": time.perf_counter() - started,
@@ -339,6 +357,7 @@ class RankRuntime(RankContext):
     def _failed(self, error: BaseException, started: float) -> dict:
         # A late Ctrl-C from the notebook must not cut the clean-up short.
         previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        self.debugging.remember(error)  # %lab debug opens it
         try:
             report = {
                 "rank": self.rank,

@@ -32,13 +32,12 @@ from __future__ import annotations
 
 import json
 import linecache
-import socket
 import sys
 import threading
 import time
 from dataclasses import dataclass
-from datetime import timedelta
 
+from labkit.wire.store_client import store_client
 from labkit.wire.store_keys import RELEASE_KEY, WHERE_KEY
 
 SAMPLE_SECONDS = 0.2
@@ -151,7 +150,8 @@ class Whereabouts:
         world = groups.handles.get(groups.world) if groups.world is not None else None
         return {"work": work.work_id, "rank": self.runtime.rank, "generation": self.runtime.generation,
                 "where": self._user_line(work), "world": world.name if world is not None else None,
-                "groups": groups.state(), "released": self._released}
+                "groups": groups.state(), "released": self._released,
+                "stopped": self.runtime.debugging.stopped}  # at a breakpoint (rank.debugger): where, and the stop
 
     def _user_line(self, work: _Work) -> dict | None:
         main = sys.modules.get("__main__")
@@ -176,12 +176,7 @@ class Whereabouts:
         address = (store.host, store.port)
         if self._client is None or self._client_of != address:
             self._client = None
-            # torch's client retries a refused connection until its timeout: a plain connect says at once.
-            socket.create_connection(address, timeout=STORE_TIMEOUT_SECONDS).close()
-            import torch.distributed as dist
-
-            self._client = dist.TCPStore(address[0], address[1], is_master=False, wait_for_workers=False,
-                                         timeout=timedelta(seconds=STORE_TIMEOUT_SECONDS))
+            self._client = store_client(*address, STORE_TIMEOUT_SECONDS)
             if address != self._client_of:  # a new store counts releases from 0: read the baseline again
                 self._client_of, self._ticked = address, None
         return self._client

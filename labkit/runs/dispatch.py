@@ -40,7 +40,8 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from labkit.cluster.rank_whereabouts import WhereaboutsReader
-from labkit.runs.deadlock import DeadlockWatch, in_flight, transfers_waited, waiting_note
+from labkit.runs.deadlock import DeadlockWatch, in_flight, transfers_waited
+from labkit.runs.debugging import BreakpointDesk
 from labkit.spec.errors import LabError
 from labkit.views.rank_output import LiveOutput, RankTexts
 from labkit.wire import entry as rank_entry
@@ -146,6 +147,7 @@ class RankWork:
         self._released_from: set[int] = set()  # idle ranks that closed their connections
         self._release_asked: set[int] = set()  # busy ranks asked to close theirs
         self._first_failure: float | None = None
+        self.breakpoints = BreakpointDesk(self, self._check_alive)  # the prompt of ranks stopped at breakpoint()
         if notebook is None:
             self.pending = {rank: cluster.engine(rank).apply_async(entry, *args) for rank in self.ranks}
         else:
@@ -167,7 +169,7 @@ class RankWork:
             if done:
                 # The result can overtake the rank's last output on the wire.
                 result.wait_for_output(OUTPUT_GRACE_SECONDS)
-            self.output.update(rank, result.stdout or "", result.stderr or "")
+            self.output.update(rank, result.stdout or "", result.stderr or "", getattr(result, "outputs", None))
             if not done:
                 continue
             del self.pending[rank]
@@ -178,7 +180,7 @@ class RankWork:
                     _report_from_remote_error(rank, error)
             self.reports[rank] = report
             if report.get("ok") and report.get("display") is not None:
-                self.output.texts.set_result(rank, report["display"])
+                self.output.texts.set_result(rank, report["display"], report.get("rich"))
         self.output.tick()
         if self.on_tick is not None:
             self.on_tick(self)
@@ -209,7 +211,7 @@ class RankWork:
             states = {rank: state for rank, state in self._reader.states.items()
                       if rank in self.pending and now - state["seen_at"] < STALE_SECONDS}
         self.whereabouts = states
-        self.output.note(waiting_note(states, now))
+        self.output.note(self.breakpoints.note(states, now))
         if self._deadlock_groups is not None:
             self._release(states)  # ranks that stop or wait since are released too
             return
@@ -307,6 +309,7 @@ class RankWork:
                 self._check_alive()
                 next_liveness = time.monotonic() + LIVENESS_CHECK_SECONDS
             self._watch_collectives()
+            deadline += self.breakpoints.serve()  # the time at a breakpoint's prompt is not the work's
             if self.pending:
                 # Wakes as soon as a result lands, else redraws output every POLL_SECONDS.
                 first = next(iter(self.pending.values()))
@@ -376,10 +379,20 @@ class RankWork:
             if previous is not None:
                 signal.signal(signal.SIGINT, previous)
 
+    def forget_results(self) -> None:
+        """Drop what ipyparallel's client keeps of this work once it is read (output, displays, result):
+        a session of many cells that plot would otherwise hold every picture until the lab stops."""
+        client = getattr(self.cluster, "client", None)
+        if client is not None:
+            done = [msg_id for msg_id in self.work_ids.values() if msg_id and msg_id not in client.outstanding]
+            if done:
+                client.purge_local_results(jobs=done)
+
     @property
     def failed(self) -> bool:
         return bool(self.replaced) or any(not report.get("ok") for report in self.reports.values())
 
 
-def make_output(ranks, live: bool | None = None, show_values: bool = True, silent: bool = False) -> LiveOutput:
-    return LiveOutput(RankTexts(ranks), live=live, show_values=show_values, silent=silent)
+def make_output(ranks, live: bool | None = None, show_values: bool = True, silent: bool = False,
+                view: str | None = None) -> LiveOutput:
+    return LiveOutput(RankTexts(ranks), live=live, show_values=show_values, silent=silent, view=view)

@@ -1,11 +1,14 @@
-"""What the ranks print, labelled by rank: live while they run, in rank order at the end.
+"""What the ranks print and display, labelled by rank: live while they run, readable at the end.
 
-ipyparallel collects each engine's stdout and stderr as they stream in; the lab
-polls those texts while it waits. In a notebook the live view is one display
-that is redrawn in place (rank order, newest text), and when the work ends it is
-emptied and the final text is printed once, in rank order, so that a saved
-notebook reads 0, 1, 2, ... whatever the arrival order was. Outside a kernel
-(scripts, tests) lines are printed as they arrive and nothing is repeated.
+ipyparallel collects each engine's stdout and stderr as they stream in, and its displays
+(``rank.displays`` marks each with its place among the printed lines); the lab polls them while
+it waits. In a notebook the live view is one display redrawn in place (text, and the ranks' plots
+and tables in its HTML form); when the work ends it is emptied and the final output is written
+once: what several ranks produced alike once, labelled ``[ranks 0-3]``, what differs per rank
+(``rank_blocks``), each display as an ordinary output of the notebook (an image, HTML, ...) under
+its label, so a saved notebook shows it without a kernel. ``view="tabs"`` or ``"grid"`` writes
+one page per rank instead (``rank_pages``). Outside a kernel (scripts, tests, a terminal) lines
+are printed as they arrive, displays by their text form, and nothing is repeated.
 """
 
 from __future__ import annotations
@@ -14,50 +17,61 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
+from labkit.views.rank_blocks import blocks_text, group_blocks, rank_label
+from labkit.views.rank_items import MARK, Item, Value, item_text, rank_items
+
 if TYPE_CHECKING:
     from IPython.display import DisplayHandle
 
 REDRAW_SECONDS = 0.2
+LIVE_HTML_BYTES = 16 * 1024 * 1024  # past this the live view is text only (it is sent again at every redraw)
 
 
 def label_lines(rank: int, text: str, stream: str = "stdout") -> list[str]:
     """``[rank 3] line`` for every line of ``text`` (stderr lines say so)."""
-    tag = f"[rank {rank}]" if stream == "stdout" else f"[rank {rank}:{stream}]"
-    return [f"{tag} {line}" for line in text.splitlines()]
+    return [f"{rank_label([rank], stream)} {line}" for line in text.splitlines()]
 
 
 class RankTexts:
-    """The stdout/stderr text of every rank of one piece of work, as it grows."""
+    """The stdout/stderr text, displays and last value of every rank of one piece of work, as they grow."""
 
     def __init__(self, ranks) -> None:
         self.ranks = list(ranks)
         self.stdout = {rank: "" for rank in self.ranks}
         self.stderr = {rank: "" for rank in self.ranks}
+        self.outputs: dict[int, list[dict]] = {rank: [] for rank in self.ranks}
         self.results: dict[int, str | None] = {rank: None for rank in self.ranks}
+        self.rich: dict[int, dict | None] = {rank: None for rank in self.ranks}
 
-    def update(self, rank: int, stdout: str, stderr: str) -> tuple[str, str]:
-        """Record the full texts so far; return what is new since the last update."""
+    def update(self, rank: int, stdout: str, stderr: str, outputs: list[dict] | None = None) -> tuple[str, str]:
+        """Record the full texts (and displays) so far; return the text that is new since the last update."""
         new_out = stdout[len(self.stdout[rank]) :] if stdout.startswith(self.stdout[rank]) else stdout
         new_err = stderr[len(self.stderr[rank]) :] if stderr.startswith(self.stderr[rank]) else stderr
         self.stdout[rank], self.stderr[rank] = stdout, stderr
+        if outputs is not None:
+            self.outputs[rank] = list(outputs)
         return new_out, new_err
 
-    def set_result(self, rank: int, shown: str | None) -> None:
-        """The value of a cell's last expression on ``rank`` (already a repr), or None."""
+    def set_result(self, rank: int, shown: str | None, rich: dict | None = None) -> None:
+        """The value of a cell's last expression on ``rank`` (already a repr, and its richer forms), or None."""
         self.results[rank] = shown
+        self.rich[rank] = rich
 
     def forget_results(self) -> None:
         self.results = {rank: None for rank in self.ranks}
+        self.rich = {rank: None for rank in self.ranks}
+
+    def items(self) -> dict[int, list[Item]]:
+        """Each rank's stdout, displays and value as one sequence (``rank_items``)."""
+        values = {rank: Value(shown, self.rich[rank]) for rank, shown in self.results.items() if shown is not None}
+        return {rank: rank_items(self.stdout[rank], self.outputs[rank], values.get(rank)) for rank in self.ranks}
+
+    def error_items(self) -> dict[int, list[Item]]:
+        return {rank: rank_items(self.stderr[rank], []) for rank in self.ranks}
 
     def render(self) -> tuple[str, str]:
-        """(stdout, stderr) of all ranks, in rank order, every line labelled."""
-        out, err = [], []
-        for rank in self.ranks:
-            out += label_lines(rank, self.stdout[rank])
-            if self.results[rank] is not None:
-                out += label_lines(rank, f"Out: {self.results[rank]}")
-            err += label_lines(rank, self.stderr[rank], "stderr")
-        return "\n".join(out) + ("\n" if out else ""), "\n".join(err) + ("\n" if err else "")
+        """(stdout, stderr) of all ranks as labelled text, what ranks produced alike once."""
+        return blocks_text(group_blocks(self.items())), blocks_text(group_blocks(self.error_items()), "stderr")
 
 
 def in_kernel() -> bool:
@@ -71,31 +85,41 @@ def in_kernel() -> bool:
 
 
 class LiveOutput:
-    """Shows a ``RankTexts`` while work runs and prints it in rank order when done."""
+    """Shows a ``RankTexts`` while work runs and writes it once, readable, when done."""
 
-    def __init__(self, texts: RankTexts, live: bool | None = None, show_values: bool = True, silent: bool = False) -> None:
+    def __init__(self, texts: RankTexts, live: bool | None = None, show_values: bool = True, silent: bool = False,
+                 view: str | None = None) -> None:
         self.texts = texts
         self.show_values = show_values
         self.silent = silent  # collect only (work running in the background prints nowhere)
+        self.view = view  # None, or one page per rank at the end: "tabs" or "grid" (views.rank_pages)
         self.in_kernel = in_kernel() if live is None else live
         self._handle: DisplayHandle | None = None
         self._last_draw = 0.0
         self._dirty = False
         self._note = ""  # one line under the output while work runs (a rank stuck in a collective)
+        self._printed_outputs = {rank: 0 for rank in texts.ranks}  # outside a kernel: displays printed so far
 
-    def update(self, rank: int, stdout: str, stderr: str) -> None:
-        new_out, new_err = self.texts.update(rank, stdout, stderr)
-        if self.silent or not (new_out or new_err):
+    def update(self, rank: int, stdout: str, stderr: str, outputs: list[dict] | None = None) -> None:
+        seen = len(self.texts.outputs[rank])
+        new_out, new_err = self.texts.update(rank, stdout, stderr, outputs)
+        new_displays = len(self.texts.outputs[rank]) != seen
+        if self.silent or not (new_out or new_err or new_displays):
             return
         if self.in_kernel:
             self._dirty = True
             self._redraw()
-        else:
-            # A terminal cannot redraw: print complete lines as they come.
-            for line in label_lines(rank, new_out):
-                print(line, file=sys.stdout, flush=True)
-            for line in label_lines(rank, new_err, "stderr"):
-                print(line, file=sys.stderr, flush=True)
+            return
+        # A terminal cannot redraw: print complete lines as they come, a display by its text form.
+        for line in label_lines(rank, new_out):
+            print(line, file=sys.stdout, flush=True)
+        for output in self.texts.outputs[rank][self._printed_outputs[rank]:]:
+            if ((output.get("metadata") or {}).get(MARK) or {}).get("kind", "display") == "display":
+                for line in label_lines(rank, str((output.get("data") or {}).get("text/plain", ""))):
+                    print(line, file=sys.stdout, flush=True)
+        self._printed_outputs[rank] = len(self.texts.outputs[rank])
+        for line in label_lines(rank, new_err, "stderr"):
+            print(line, file=sys.stderr, flush=True)
 
     def _redraw(self, force: bool = False) -> None:
         now = time.monotonic()
@@ -103,12 +127,19 @@ class LiveOutput:
             return
         from IPython.display import display
 
-        out, err = self.texts.render()
-        text = out + err + (f"labkit: {self._note}\n" if self._note else "")
+        blocks, errors = group_blocks(self.texts.items()), group_blocks(self.texts.error_items())
+        out, err = blocks_text(blocks), blocks_text(errors, "stderr")
+        bundle = {"text/plain": out + err + (f"labkit: {self._note}\n" if self._note else "")}
+        if any(output for output in self.texts.outputs.values()):
+            from labkit.views.rank_pages import blocks_html
+
+            page = blocks_html(blocks, errors, self._note)
+            if len(page) <= LIVE_HTML_BYTES:
+                bundle["text/html"] = page
         if self._handle is None:
             # Created empty so a notebook's saved output does not depend on timing.
             self._handle = display({"text/plain": ""}, raw=True, display_id=True)
-        self._handle.update({"text/plain": text}, raw=True)
+        self._handle.update(bundle, raw=True)
         self._last_draw = now
         self._dirty = False
 
@@ -131,28 +162,68 @@ class LiveOutput:
             self._redraw()
 
     def finish(self) -> None:
-        """Empty the live view and print everything once, in rank order."""
+        """Empty the live view and write everything once (see the module's docstring)."""
         if self.silent:
             return
         if not self.show_values:
             self.texts.forget_results()
         self._note = ""  # the work ended: nothing waits any more
-        if self.in_kernel:
-            if self._handle is not None:
-                self._handle.update({"text/plain": ""}, raw=True)
-            out, err = self.texts.render()
-        else:
+        if not self.in_kernel:
             # Lines were printed as they came; only the cells' last values remain.
-            out = "\n".join(
-                line
-                for rank in self.texts.ranks
-                if self.texts.results[rank] is not None
-                for line in label_lines(rank, f"Out: {self.texts.results[rank]}")
-            )
-            out, err = (out + "\n" if out else ""), ""
-        if out:
-            sys.stdout.write(out)
-            sys.stdout.flush()
-        if err:
-            sys.stderr.write(err)
-            sys.stderr.flush()
+            values: dict[int, list[Item]] = {rank: [Value(text)] for rank, text in self.texts.results.items()
+                                             if text is not None}
+            _write(sys.stdout, blocks_text(group_blocks(values)))
+            return
+        if self._handle is not None:
+            self._handle.update({"text/plain": ""}, raw=True)
+        if self.view is not None:
+            self._write_pages()
+            return
+        _publish_blocks(group_blocks(self.texts.items()))
+        _write(sys.stderr, blocks_text(group_blocks(self.texts.error_items()), "stderr"))
+
+    def _write_pages(self) -> None:
+        from IPython.display import publish_display_data
+
+        from labkit.views.rank_pages import ranks_view_html
+
+        items = self.texts.items()
+        errors = {rank: [line for item in run for line in item_text(item)]
+                  for rank, run in self.texts.error_items().items()}
+        if not any(items.values()) and not any(errors.values()):
+            return
+        out, err = self.texts.render()
+        publish_display_data({"text/plain": out + err, "text/html": ranks_view_html(items, errors, str(self.view))})
+
+
+def _write(stream, text: str) -> None:
+    if text:
+        stream.write(text)
+        stream.flush()
+
+
+def _publish_blocks(blocks) -> None:
+    """Write blocks as notebook outputs: labelled lines as stdout, each rich display as an output of its own."""
+    from IPython.display import publish_display_data
+
+    from labkit.views.rank_items import Shown
+
+    lines: list[str] = []
+    for ranks, run in blocks:
+        label = rank_label(ranks)
+        for item in run:
+            rich = item.rich if isinstance(item, Value) else (
+                item.data if isinstance(item, Shown) and item.rich else None)
+            if rich is None:
+                lines.extend(f"{label} {line}" for line in item_text(item))
+                continue
+            # The label (and a value's Out: line) stands above the output it names.
+            if isinstance(item, Value):
+                lines.extend(f"{label} {line}" for line in item_text(item))
+            else:
+                lines.append(label)
+            _write(sys.stdout, "\n".join(lines) + "\n")
+            lines.clear()
+            bundle = {"text/plain": item.text, **rich} if isinstance(item, Value) else rich
+            publish_display_data(bundle, item.metadata if isinstance(item, Shown) else {})
+    _write(sys.stdout, "\n".join(lines) + ("\n" if lines else ""))

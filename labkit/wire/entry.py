@@ -210,3 +210,28 @@ def push(items: list, sources: dict, timeout_seconds: float) -> dict:
 
     ``sources`` (cell name -> lines) let tracebacks show the lines of pushed notebook code."""
     return this_rank().requests.push(items, sources, timeout_seconds)
+
+def complete_names(code: str, offset: int) -> list:
+    """IPython's completions of ``code`` at ``offset`` in this rank's namespace: (start, end, text, type) each."""
+    return this_rank().requests.complete_names(code, offset)
+
+
+def describe_names() -> dict:
+    """This rank's user variables, each described (``wire.schema.VariableInfo``): ``lab.who``."""
+    return this_rank().requests.describe_names()
+
+
+def debug_open() -> dict | None:
+    """Open a post-mortem debugger on this rank's last failure (``%lab debug``): the exception and where it
+    stopped, or None when the rank has nothing to debug."""
+    return this_rank().debugging.open_post_mortem()
+
+
+def debug_command(line: str) -> dict:
+    """One pdb command in this rank's post-mortem session: what it printed, and whether the session ended."""
+    return this_rank().debugging.post_mortem_command(line)
+
+
+def debug_close() -> None:
+    """End this rank's post-mortem session (its last failure is kept)."""
+    this_rank().debugging.close_post_mortem()

@@ -37,6 +37,7 @@ class RankReport(TypedDict, total=False):
     ok: bool
     value: object  # a function's result
     display: Optional[str]  # a cell's last expression, as repr
+    rich: dict  # that expression's richer forms (a MIME bundle without text/plain), when it has any
     seconds: float
     error: ErrorInfo
     groups: dict  # group name -> its state at the end of the work (``LabGroups.state()``: what runs.deadlock reads)
@@ -148,3 +149,16 @@ def equivalence_bound(rounding_noise: float) -> float:
     return min(max(EQUIVALENCE_TOLERANCE, NOISE_FACTOR * rounding_noise), LARGEST_BOUND)
 
 
+
+
+class VariableInfo(TypedDict, total=False):
+    """What a rank says of one of its variables (``lab.who``, ``rank.names``); a key is there when it applies."""
+
+    type: str  # the class name ("Tensor", "Linear"), or "function", "class"
+    shape: list  # a tensor's or array's shape (a DTensor's global shape)
+    dtype: str  # "float32", without "torch."
+    device: str  # "cpu", "cuda:0"
+    placement: str  # a DTensor's placements and mesh, in words
+    parameters: int  # an nn.Module's parameter count
+    length: int  # a list's, tuple's, dict's or set's
+    value: str  # a number's, string's, bool's or None's repr, cut short

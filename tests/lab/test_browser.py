@@ -10,6 +10,8 @@ progress lines in the cell, and a run whose shown state is its final one. The
 third clicks Stop on a foreground dashboard run while its cell blocks: the run
 ends early, with its report, and the next cell uses the lab (on a kernel that
 jupyter-ui-poll can poll; elsewhere there is no button and it is skipped, saying why).
+The last runs ``notebooks/15_see_and_debug_every_rank.ipynb``: every rank's plot is drawn
+in the page, and the ranks' grid holds a drawn picture for each rank.
 Without Chromium or Playwright they are skipped with the reason; ``.ci/run``
 installs both.
 """
@@ -56,6 +58,12 @@ def jupyterlab(tmp_path_factory):
     pytest.importorskip("playwright.sync_api", reason="the playwright package is not installed")
     root = tmp_path_factory.mktemp("lab")
     shutil.copy(ROOT / "notebooks" / "05_instruments.ipynb", root / "instruments.ipynb")
+    # Without its stored outputs: what the page shows is then what this run drew.
+    every_rank = json.loads((ROOT / "notebooks" / "15_see_and_debug_every_rank.ipynb").read_text())
+    for cell in every_rank["cells"]:
+        if cell["cell_type"] == "code":
+            cell["outputs"], cell["execution_count"] = [], None
+    (root / "every_rank.ipynb").write_text(json.dumps(every_rank))
     # Every cell rendered: JupyterLab's default windowing hides cells scrolled far out of view
     # (long dashboard outputs), and a hidden cell's output cannot be read or scrolled to.
     settings = root / "settings" / "@jupyterlab" / "notebook-extension"
@@ -115,6 +123,17 @@ def _run_all_cells(page) -> None:
         except Exception:
             page.keyboard.press("Escape")
     raise AssertionError("JupyterLab never started running the notebook")
+
+
+def _run_to_the_stop(page, failure_picture: str) -> None:
+    """Run every cell and wait until the notebook's last cell stopped the lab (a screenshot if it never does)."""
+    try:
+        _run_all_cells(page)
+        page.wait_for_selector("text=lab stopped: no rank, controller or port left", state="attached",
+                               timeout=400_000)
+    except Exception:
+        page.screenshot(path=str(ARTIFACTS / failure_picture))
+        raise
 
 
 @contextlib.contextmanager
@@ -188,13 +207,7 @@ def test_a_dashboard_is_shown_once_without_progress_lines_and_its_run_shows_how_
     url, root = jupyterlab
     (root / "shown_once.ipynb").write_text(json.dumps(_notebook(SHOWN_ONCE_CELLS)))
     with _notebook_page(url, "shown_once.ipynb") as page:
-        try:
-            _run_all_cells(page)
-            page.wait_for_selector("text=lab stopped: no rank, controller or port left", state="attached",
-                                   timeout=400_000)
-        except Exception:
-            page.screenshot(path=str(ARTIFACTS / "shown_once_failure.png"))
-            raise
+        _run_to_the_stop(page, "shown_once_failure.png")
         cells = page.locator(".jp-Notebook .jp-CodeCell")
         foreground, background = cells.nth(1), cells.nth(2)
         foreground.scroll_into_view_if_needed()
@@ -254,3 +267,28 @@ def test_the_stop_button_stops_a_foreground_dashboard_run(jupyterlab):
         assert "next cell: 3 steps" in after, "the lab is usable in the next cell"
         assert page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']").filter(
             has_text="Traceback").count() == 0
+
+
+def _drawn_images(locator) -> int:
+    """How many <img> under ``locator`` the browser decoded into a picture (not a broken image)."""
+    return locator.evaluate_all(
+        "outputs => outputs.flatMap(o => [...o.querySelectorAll('img')]).filter(i => i.naturalWidth > 0).length")
+
+
+def test_every_ranks_plot_is_drawn_in_the_page(jupyterlab):
+    url, _ = jupyterlab
+    with _notebook_page(url, "every_rank.ipynb") as page:
+        _run_to_the_stop(page, "every_rank_failure.png")
+        cells = page.locator(".jp-Notebook .jp-CodeCell")
+        plots = cells.filter(has_text="plt.imshow").locator(".jp-OutputArea")
+        plots.first.scroll_into_view_if_needed()
+        page.screenshot(path=str(ARTIFACTS / "every_rank_plots.png"), full_page=False)
+        text = plots.first.inner_text()
+        assert all(f"[rank {rank}]" in text for rank in range(4)), text
+        assert _drawn_images(plots) == 4, "one drawn picture per rank"
+        grid = cells.filter(has_text="--view grid").locator(".jp-OutputArea table")
+        grid.first.scroll_into_view_if_needed()
+        page.screenshot(path=str(ARTIFACTS / "every_rank_grid.png"), full_page=False)
+        assert _drawn_images(grid) == 4 and "rank 3" in grid.first.inner_text()
+        said = cells.filter(has_text="lab.debug(2").locator(".jp-OutputArea").inner_text()
+        assert "(rank 2 pdb) p 2 - rank" in said and "\n0\n" in said.replace("\r", ""), said

@@ -60,18 +60,21 @@ def test_help_of_a_command_is_its_options_one_line_each_and_nothing_else(shell, 
     ]
     shell.run_cell_magic("lab", "--help", "print(rank)")  # help only: the cell does not run
     assert printed_lines(capsys) == [
-        "%%lab [options]: run the cell on every rank (or some); output labelled [rank r], the last value shown",
-        "  --ranks 0,2    run on these ranks only",
-        "  --site NAME    on the ranks of this site (a machine that joined over HTTPS)",
-        "  --timeout S    limit for this cell, seconds",
-        "  --instruments  watch the cell's loop: its report is the value",
-        "  --dashboard    draw the cell's loop live (instruments on)",
-        "  --background   return at once; .stop() ends it at a step",
+        "%%lab [options]: run the cell on every rank (or some); what they print and display labelled [rank r] "
+        "(alike: once), the last value shown",
+        "  --ranks 0,2       run on these ranks only",
+        "  --site NAME       on the ranks of this site (a machine that joined over HTTPS)",
+        "  --timeout S       limit for this cell, seconds",
+        "  --instruments     watch the cell's loop: its report is the value",
+        "  --dashboard       draw the cell's loop live (instruments on)",
+        "  --background      return at once; .stop() ends it at a step",
+        "  --view tabs|grid  each rank's output on a page of its own: tabs, or a grid of columns",
     ]
     for line in ("train --help", "train --model gpt -h", "start -h", "start 2 --backend mpi --help", "bench --help",
                  "link --help", "run --ranks 0 --help", "tasks -h", "ensemble --help", "status --help",
                  "mesh -h", "slow --help", "seed -h", "checkpoint --help", "timeout -h", "join-command --help",
-                 "join-command --https --help", "sites --help", "push --help"):
+                 "join-command --https --help", "sites --help", "push --help", "who --help", "who --ranks 1 -h",
+                 "debug --help"):
         command = line.split()[0]
         shell.run_line_magic("lab", line)
         lines = printed_lines(capsys)
@@ -92,8 +95,8 @@ def test_help_of_lab_lists_every_command_on_its_own_line(shell, capsys):
     assert lines[0] == "%lab COMMAND [options]: live torch.distributed ranks; %lab COMMAND --help for its options"
     commands = [text.split()[0] for text in lines[1:-1]]
     assert commands == ["start", "mesh", "train", "slow", "link", "seed", "push", "run", "bench", "checkpoint", "kill",
-                        "heal", "tasks", "ensemble", "join-command", "sites", "status", "timeout", "restart",
-                        "stop"]
+                        "heal", "debug", "tasks", "ensemble", "join-command", "sites", "status", "who", "auto",
+                        "timeout", "restart", "stop"]
     assert lines[-1].startswith("%%lab [options]: run the cell on every rank")
     shell.run_line_magic("lab", "-h")
     assert printed_lines(capsys) == lines
@@ -107,8 +110,8 @@ def test_a_mistyped_command_or_option_says_what_was_meant_in_one_line(shell):
         shell.run_line_magic("lab", "trian --steps 5")
     assert str(refused.value) == (
         "unknown command 'trian': did you mean 'train'? The commands: start, mesh, train, slow, link, seed, push, "
-        "run, bench, checkpoint, kill, heal, tasks, ensemble, join-command, sites, status, timeout, restart, stop "
-        "(see %lab --help)")
+        "run, bench, checkpoint, kill, heal, debug, tasks, ensemble, join-command, sites, status, who, auto, timeout, "
+        "restart, stop (see %lab --help)")
     # The words are checked before the lab is looked for: no lab is running here.
     for line, said in [
         ("train --model resnet", "--model: the notebook has no 'resnet'; give the zoo's mlp or gpt, or a name the "

@@ -171,6 +171,7 @@ LAYERS = (
     ("runs",),  # work in flight: training runs, tasks, checkpoints, recovery
     ("session",),  # one lab's state
     ("sites",),  # machines that joined over HTTPS, each a session of its own
+    ("window",),  # the ranks' namespaces and debuggers, seen from the notebook (a part of Lab)
     ("lab",),  # the public Lab object
     ("magics",),  # the %lab magics
     ("labkit", "__main__"),  # the package's front door and command line

@@ -7,7 +7,7 @@ from IPython.core.error import UsageError
 from labkit.magics.commands import CELL, CELL_SUMMARY, SUMMARIES
 from labkit.magics.help import described_parsers, overview
 from labkit.magics.network import join_parser
-from labkit.magics.parsers import bench_parser, cell_parser, push_parser, start_parser
+from labkit.magics.parsers import bench_parser, cell_parser, push_parser, start_parser, who_parser
 from labkit.magics.parsing import CommandParser, asks_for_help, choice_list, command_parser, unknown_word
 from labkit.magics.queue import ensemble_parser, tasks_parser
 from labkit.magics.train_args import train_parser
@@ -72,7 +72,7 @@ def every_parser() -> dict[str, CommandParser]:
     """Each command's parser as the magics build it, the ones read by hand included."""
     return {"start": start_parser(), "train": train_parser(), "bench": bench_parser(), "push": push_parser(),
             "tasks": tasks_parser(), "ensemble": ensemble_parser(), CELL: cell_parser(), "join-command": join_parser(),
-            **described_parsers()}
+            "who": who_parser(), **described_parsers()}
 
 
 def test_every_command_has_one_parser_made_one_way_and_described_by_its_summary():
