@@ -28,6 +28,7 @@ its richest form (``rich``).
 from __future__ import annotations
 
 import json
+import os
 import sys
 from typing import Any
 
@@ -35,6 +36,7 @@ MAX_OUTPUT_BYTES = 8 * 1024 * 1024  # one output: under the 10 MiB a Jupyter ser
 MAX_WORK_BYTES = 64 * 1024 * 1024  # what one piece of work has on show on one rank (a clear starts again)
 MAX_WORK_OUTPUTS = 500  # displays on show at once from one rank: more would freeze the browser, not inform
 MARK = "labkit"  # the metadata key of the mark
+INLINE_BACKEND = "module://matplotlib_inline.backend_inline"
 # Plain values have nothing richer than their repr: not worth asking every formatter.
 _PLAIN_TYPES = (int, float, complex, str, bytes, bool, list, tuple, dict, set, frozenset, range)
 
@@ -51,6 +53,17 @@ def bundle_bytes(data: dict) -> int:
             except (TypeError, ValueError):
                 total += len(repr(value))
     return total
+
+
+def use_inline_backend() -> None:
+    """Make matplotlib draw a rank's figures as the notebook's own kernel does: inline, as PNG outputs.
+
+    A rank has no window, and an ``MPLBACKEND=Agg`` inherited from a cluster's environment would make
+    ``plt.show()`` silently do nothing there. A cell may still choose another backend (``matplotlib.use``)."""
+    os.environ["MPLBACKEND"] = INLINE_BACKEND  # read when matplotlib is first imported
+    matplotlib = sys.modules.get("matplotlib")
+    if matplotlib is not None and "inline" not in str(matplotlib.rcParams._get("backend")):
+        matplotlib.use(INLINE_BACKEND)  # imported already with another backend: switch (no figure exists yet)
 
 
 def size_text(count: int) -> str:
@@ -79,6 +92,7 @@ class RankDisplays:
         self._work_bytes = 0  # on show: since the work began, or since its last clear
         self._work_outputs = 0
         self._count_stdout_lines()
+        use_inline_backend()
         publisher = getattr(shell, "display_pub", None)
         if publisher is not None and hasattr(publisher, "register_hook"):
             publisher.register_hook(self._mark)

@@ -10,8 +10,9 @@ progress lines in the cell, and a run whose shown state is its final one. The
 third clicks Stop on a foreground dashboard run while its cell blocks: the run
 ends early, with its report, and the next cell uses the lab (on a kernel that
 jupyter-ui-poll can poll; elsewhere there is no button and it is skipped, saying why).
-The last runs ``notebooks/15_see_and_debug_every_rank.ipynb``: every rank's plot is drawn
-in the page, and the ranks' grid holds a drawn picture for each rank.
+The fourth runs ``notebooks/15_see_and_debug_every_rank.ipynb``: every rank's plot is drawn
+in the page, and the ranks' grid holds a drawn picture for each rank. The last stops a rank at
+``breakpoint()`` and types pdb's commands into JupyterLab's own input box.
 Without Chromium or Playwright they are skipped with the reason; ``.ci/run``
 installs both.
 """
@@ -292,3 +293,37 @@ def test_every_ranks_plot_is_drawn_in_the_page(jupyterlab):
         assert _drawn_images(grid) == 4 and "rank 3" in grid.first.inner_text()
         said = cells.filter(has_text="lab.debug(2").locator(".jp-OutputArea").inner_text()
         assert "(rank 2 pdb) p 2 - rank" in said and "\n0\n" in said.replace("\r", ""), said
+
+
+BREAKPOINT_CELLS = [
+    "%load_ext labkit\n%lab start 2 --backend gloo --threads 1",
+    "%%lab --ranks 1\nsecret = 40 + rank\nbreakpoint()\nprint('after the breakpoint', secret)",
+    "%lab stop",
+]
+
+
+def _answer_prompt(page, line: str) -> None:
+    """Type ``line`` into the notebook's input box (what input() shows in JupyterLab) and press Enter."""
+    box = page.locator(".jp-Stdin-input").last
+    box.wait_for(state="visible", timeout=120_000)
+    box.fill(line)
+    box.press("Enter")
+
+
+def test_a_breakpoint_on_a_rank_is_served_at_jupyterlabs_own_input_prompt(jupyterlab):
+    url, root = jupyterlab
+    (root / "breakpoint.ipynb").write_text(json.dumps(_notebook(BREAKPOINT_CELLS)))
+    with _notebook_page(url, "breakpoint.ipynb") as page:
+        cell = page.locator(".jp-Notebook .jp-CodeCell").nth(1)
+        try:
+            _run_all_cells(page)
+            _answer_prompt(page, "p secret")
+            cell.locator(".jp-OutputArea").filter(has_text="41").first.wait_for(state="attached", timeout=60_000)
+            _answer_prompt(page, "c")
+            page.wait_for_selector("text=lab stopped: no rank, controller or port left", state="attached",
+                                   timeout=120_000)
+        except Exception:
+            page.screenshot(path=str(ARTIFACTS / "breakpoint_failure.png"))
+            raise
+        said = cell.locator(".jp-OutputArea").inner_text()
+        assert "rank 1 stopped at a breakpoint" in said and "[rank 1] after the breakpoint 41" in said, said

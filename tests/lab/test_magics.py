@@ -162,6 +162,24 @@ def test_cell_magic_runs_on_every_rank(started, capsys):
     assert "[rank 1] Out: 20" in out and "[rank 0] Out" not in out
 
 
+def test_auto_mode_runs_plain_cells_on_every_rank_until_turned_off(started, capsys):
+    started.run_line_magic("lab", "auto")
+    try:
+        started.run_cell("auto_value = rank * 10\nprint('auto', auto_value)")
+        started.run_cell("%lab status")  # a magic's cell runs in the notebook, auto or not
+    finally:
+        started.run_line_magic("lab", "auto off")
+    out = capsys.readouterr().out
+    assert out.startswith("every cell now runs on the ranks") and "%lab auto: on ranks 0-1\n" in out, out
+    assert "[rank 0] auto 0\n" in out and "[rank 1] auto 10\n" in out, out  # (outside a kernel: as they come)
+    assert "auto_value" not in started.user_ns  # it ran on the ranks, not here
+    assert started.user_ns["lab"].run_cell("auto_value") == ["0", "10"]
+    started.run_cell("here_value = 1")
+    assert started.user_ns["here_value"] == 1
+    with pytest.raises(UsageError, match="write %lab auto"):
+        started.run_line_magic("lab", "auto sometimes")
+
+
 def test_cell_magic_failure_and_per_cell_timeout(started):
     with pytest.raises(RankFailure, match="rank 0 raised ZeroDivisionError"):
         started.run_cell_magic("lab", "", "x = torch.ones(1)\nif rank == 0:\n    1 / 0\ndist.all_reduce(x)")

@@ -12,7 +12,9 @@ from nbclient import NotebookClient
 
 pytestmark = pytest.mark.lab
 
-START = "%load_ext labkit\n%lab start 2 --backend gloo --threads 1 --timeout 60"
+# A cluster's environment often chooses Agg, which would make plt.show() on a rank silently do nothing.
+START = ("import os\nos.environ['MPLBACKEND'] = 'Agg'\n"
+         "%load_ext labkit\n%lab start 2 --backend gloo --threads 1 --timeout 60")
 
 CELLS = {
     "plot": "%%lab\nimport matplotlib.pyplot as plt\nplt.plot([0, 1, rank])\nplt.title(f'rank {rank}')\nplt.show()",

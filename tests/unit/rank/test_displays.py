@@ -95,3 +95,15 @@ def test_one_hook_per_shell(monkeypatch):
     monkeypatch.setattr(sys, "stdout", Stdout())
     shell = Shell()
     assert RankDisplays.for_shell(shell) is RankDisplays.for_shell(shell)
+
+
+def test_a_rank_draws_inline_even_where_the_environment_chose_agg():
+    import subprocess
+
+    probe = ("import matplotlib\nassert 'agg' in matplotlib.get_backend().lower()\n"
+             "from labkit.rank.displays import use_inline_backend\nuse_inline_backend()\n"
+             "import matplotlib.pyplot as plt\nprint(matplotlib.get_backend())")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
+                          env={**__import__("os").environ, "MPLBACKEND": "Agg"})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "module://matplotlib_inline.backend_inline"
