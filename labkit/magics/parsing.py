@@ -72,6 +72,8 @@ class CommandParser(argparse.ArgumentParser):
                 if action.help is not argparse.SUPPRESS]
         width = max((len(name) for name, _ in rows), default=0)
         lines = [first] + [f"  {name.ljust(width)}  {meaning}".rstrip() for name, meaning in rows]
+        if self.epilog:  # what the options cannot say (installed plugins that do not load)
+            lines.append(self.epilog)
         return "\n".join(lines) + "\n"
 
     def print_help(self, file: Any = None) -> None:

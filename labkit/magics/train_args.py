@@ -12,13 +12,13 @@ import difflib
 
 from labkit.magics.parsing import CommandParser, command_parser
 from labkit.magics.values import name_values, seconds
-from labkit.strategies.catalog import settings_by_name, strategy_names
-from labkit.zoo.catalog import model_names
+from labkit.strategies.catalog import settings_by_name, strategy_names, strategy_notes
+from labkit.zoo.catalog import model_names, model_notes
 
 
 def train_parser() -> CommandParser:
     """``%lab train``'s parser: the lab's settings, then each strategy's own, one option each."""
-    train = command_parser("train", argument_default=argparse.SUPPRESS)
+    train = command_parser("train", argument_default=argparse.SUPPRESS, epilog=_plugin_notes())
     train.add_argument("--strategy", metavar="S", help=f"{', '.join(strategy_names())} or a composition like fsdp+tp "
                                                        "(alone with --model: every one in turn)")
     train.add_argument("--model", metavar="NAME",
@@ -60,6 +60,12 @@ def train_parser() -> CommandParser:
                        help="busy time against the median of like ranks that flags a straggler")
     _add_strategy_settings(train)
     return train
+
+
+def _plugin_notes() -> str:
+    """The installed strategies and models that are not used, each with its error and what to do ('' if none)."""
+    notes = [*strategy_notes(), *model_notes()]
+    return "\n".join(["Installed but not used:", *(f"  {note}" for note in notes)]) if notes else ""
 
 
 def _names(text: str) -> list[str]:

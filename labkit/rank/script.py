@@ -17,7 +17,9 @@ differs from a fresh process, and how it is bridged:
   (In an engine the builtin ``exit`` is IPython's, which returns and lets the
   lines after it run; the script gets the plain one.)
 - The modules it imports from its folder are forgotten when it ends
-  (``labkit.rank.script_modules``); its random state is fresh (``RankRuntime.run_script``).
+  (``labkit.rank.script_modules``); its random state is fresh (``RankRuntime.run_script``);
+  it starts with logging unconfigured, and what it configured goes when it ends
+  (``labkit.rank.script_logging``).
 - Tracebacks show the script's lines: its source is registered under its path.
 
 Runs in the engines.
@@ -35,6 +37,7 @@ import torch.distributed as dist
 
 from labkit.rank.environment import script_environment
 from labkit.rank.group_memory import forget_old_groups
+from labkit.rank.script_logging import logging_of_the_run
 from labkit.rank.script_modules import modules_of_the_run
 from labkit.torch_support.torch_internals import all_process_groups, group_lifecycle, group_lifecycle_replaced
 
@@ -115,7 +118,8 @@ def lab_process_group(rank: int, world_size: int, backend: str, destroy_at_end: 
 
 @contextlib.contextmanager
 def script_process(path: str, argv: list[str], lasting_modules: frozenset[str]):
-    """``sys.argv``, ``sys.path``, ``sys.modules`` and the environment as the script's own process would have them.
+    """``sys.argv``, ``sys.path``, ``sys.modules``, logging and the environment as the script's own process would
+    have them.
 
     Yields the module ``__main__`` to run the script in."""
     main = types.ModuleType("__main__")
@@ -126,7 +130,8 @@ def script_process(path: str, argv: list[str], lasting_modules: frozenset[str]):
     sys.argv = list(argv)
     sys.modules["__main__"] = main
     try:
-        with modules_of_the_run(os.path.dirname(os.path.abspath(path)), lasting_modules), script_environment():
+        with modules_of_the_run(os.path.dirname(os.path.abspath(path)), lasting_modules), script_environment(), \
+                logging_of_the_run():
             yield main
     finally:
         sys.argv = saved_argv

@@ -2,11 +2,11 @@
 
 A strategy is one module: its declaration, a ``Strategy`` named ``STRATEGY``,
 beside its rank side, ``apply`` (``strategies.rank_side.StrategyModule``). The
-module is named by an entry point of the ``labkit.strategies`` group
-(``labkit.zoo.plugins``): labkit's own ``pyproject.toml`` names the built-ins
-(``ddp = "labkit.strategies.ddp:STRATEGY"``), a package of yours names yours,
-and both are found the same way, in the notebook and on every rank, with no
-call. A declaration module loads without torch (its ``apply`` imports torch
+built-ins are named below (``BUILT_IN``), in labkit's own code; a package of
+yours names yours by an entry point of the ``labkit.strategies`` group
+(``labkit.zoo.plugins``), found in the notebook and on every rank with no
+call. A broken one breaks only itself (``strategy_notes`` says why, and what
+to do). A declaration module loads without torch (its ``apply`` imports torch
 when it runs, on the ranks), so the notebook reads every declaration.
 
 A declaration says, without torch: its name, the mesh axis it uses, where it
@@ -134,22 +134,57 @@ def _checked(entry: Strategy, point: EntryPoint) -> Strategy:
     return entry if entry.module else replace(entry, module=point.module)
 
 
+# labkit's own strategies: there wherever labkit is importable, with or without its package metadata.
+BUILT_IN = {name: f"labkit.strategies.{name}:STRATEGY" for name in ("ddp", "fsdp", "tp", "pp", "ps", "diloco")}
+
 # What is installed is the process's own: one reader per process, as ``importlib`` keeps one module table.
-_STRATEGIES: PluginGroup[Strategy] = PluginGroup("labkit.strategies", "strategy", Strategy, prepare=_checked)
+_STRATEGIES: PluginGroup[Strategy] = PluginGroup("labkit.strategies", "strategy", Strategy, built_in=BUILT_IN,
+                                                 prepare=_checked)
 
 
 def strategy(name: str) -> Strategy:
-    """The declaration of strategy ``name`` (PluginError, a ValueError, naming the known ones if none)."""
-    return _STRATEGIES.get(name)
+    """The declaration of strategy ``name`` (PluginError, a ValueError, naming the known ones if none, or
+    saying why an installed one is not used)."""
+    entry = _STRATEGIES.get(name)
+    clash = _clashes().get(name)
+    if clash is not None:
+        raise PluginError(clash)
+    return entry
 
 
 def strategies() -> dict[str, Strategy]:
-    """Every strategy this process knows, by name, in list order."""
-    return _STRATEGIES.all()
+    """Every strategy this process can use, by name, in list order."""
+    clashes = _clashes()
+    return {name: entry for name, entry in _STRATEGIES.all().items() if name not in clashes}
 
 
 def strategy_names() -> tuple[str, ...]:
-    return _STRATEGIES.names()
+    """The strategies this process can use, in list order (``strategy_notes``: the installed ones it cannot)."""
+    return tuple(strategies())
+
+
+def strategy_notes() -> tuple[str, ...]:
+    """One line for each installed strategy that is not used: its error, and what to do."""
+    return (*_STRATEGIES.notes(), *_clashes().values())
+
+
+def _clashes() -> dict[str, str]:
+    """Strategies left out because a setting of theirs is another's: name -> why, and what to do.
+
+    The built-ins keep their settings; then the others, in list order, the first comer keeping a name."""
+    owners: dict[str, str] = {}
+    clashing: dict[str, str] = {}
+    for entry in sorted(_STRATEGIES.all().values(), key=lambda entry: (entry.name not in BUILT_IN,
+                                                                        entry.list_position, entry.name)):
+        taken = sorted(setting.name for setting in entry.settings if owners.get(setting.name, entry.name) != entry.name)
+        if taken:
+            whose = ", ".join(f"{name} ({owners[name]}'s)" for name in taken)
+            clashing[entry.name] = (f"the strategy {entry.name!r} has settings another strategy has: {whose}; "
+                                    f"it is not used, the others work. To be rid of it: "
+                                    f"{_STRATEGIES.remedy(entry.name)}")
+            continue
+        owners.update({setting.name: entry.name for setting in entry.settings})
+    return clashing
 
 
 class _Catalog(Mapping[str, Strategy]):
@@ -158,7 +193,7 @@ class _Catalog(Mapping[str, Strategy]):
     def __getitem__(self, name: str) -> Strategy:
         if not isinstance(name, str) or not _STRATEGIES.knows(name):
             raise KeyError(name)
-        return _STRATEGIES.get(name)
+        return strategy(name)
 
     def __iter__(self) -> Iterator[str]:
         return iter(strategy_names())
@@ -205,7 +240,7 @@ def parse_strategy(text: object) -> tuple[str, ...]:
     unknown = [part for part in parts if not _STRATEGIES.knows(part)]
     if not parts or unknown:
         raise PluginError(f"unknown strategy {text!r}: use {', '.join(strategy_names())} or a composition such as "
-                         f"fsdp+tp, ddp+pp, pp+tp. {_STRATEGIES.install_hint()}")
+                         f"fsdp+tp, ddp+pp, pp+tp.{_STRATEGIES.not_loading()} {_STRATEGIES.install_hint()}")
     if len(set(parts)) != len(parts):
         raise ValueError(f"strategy {text!r} names a part twice")
     entries = [strategy(part) for part in parts]
@@ -226,13 +261,11 @@ def axes_of(parts: tuple[str, ...] | list[str]) -> list[str]:
 
 
 def settings_by_name() -> dict[str, tuple[str, Setting[Any]]]:
-    """Every strategy setting: name -> (owning strategy, setting); two strategies sharing a name are refused."""
+    """Every strategy setting: name -> (owning strategy, setting); a strategy with a setting of another's name
+    is left out (``strategy_notes`` says so)."""
     found: dict[str, tuple[str, Setting[Any]]] = {}
-    for entry in strategies().values():
+    for entry in strategies().values():  # a strategy whose setting another has is left out (``_clashes``)
         for setting in entry.settings:
-            if setting.name in found and found[setting.name][0] != entry.name:
-                raise PluginError(f"strategies {found[setting.name][0]!r} and {entry.name!r} both have a setting "
-                                  f"{setting.name!r}: uninstall one, or rename the setting in one of them")
             found[setting.name] = (entry.name, setting)
     return found
 

@@ -17,6 +17,7 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
+from labkit.views.line_pieces import LinePieces
 from labkit.views.rank_blocks import blocks_text, group_blocks, rank_label
 from labkit.views.rank_items import MARK, Item, Value, item_text, rank_items
 
@@ -99,6 +100,7 @@ class LiveOutput:
         self._dirty = False
         self._note = ""  # one line under the output while work runs (a rank stuck in a collective)
         self._printed_outputs = {rank: 0 for rank in texts.ranks}  # outside a kernel: displays printed so far
+        self._pieces = LinePieces()  # outside a kernel: lines printed in pieces, until they are whole
 
     def update(self, rank: int, stdout: str, stderr: str, outputs: list[dict] | None = None) -> None:
         seen = len(self.texts.outputs[rank])
@@ -110,16 +112,28 @@ class LiveOutput:
             self._dirty = True
             self._redraw()
             return
-        # A terminal cannot redraw: print complete lines as they come, a display by its text form.
-        for line in label_lines(rank, new_out):
-            print(line, file=sys.stdout, flush=True)
-        for output in self.texts.outputs[rank][self._printed_outputs[rank]:]:
+        # A terminal cannot redraw: print complete lines as they come (a line printed in pieces once it
+        # is whole, ``line_pieces``), a display by its text form.
+        self._print_lines(rank, "stdout", self._pieces.lines((rank, "stdout"), new_out))
+        displays = self.texts.outputs[rank][self._printed_outputs[rank]:]
+        waiting = self._pieces.take((rank, "stdout")) if displays else ""
+        if waiting:
+            self._print_lines(rank, "stdout", [waiting])  # it was printed before them
+        for output in displays:
             if ((output.get("metadata") or {}).get(MARK) or {}).get("kind", "display") == "display":
-                for line in label_lines(rank, str((output.get("data") or {}).get("text/plain", ""))):
-                    print(line, file=sys.stdout, flush=True)
+                self._print_lines(rank, "stdout", str((output.get("data") or {}).get("text/plain", "")).splitlines())
         self._printed_outputs[rank] = len(self.texts.outputs[rank])
-        for line in label_lines(rank, new_err, "stderr"):
-            print(line, file=sys.stderr, flush=True)
+        self._print_lines(rank, "stderr", self._pieces.lines((rank, "stderr"), new_err))
+
+    def _print_lines(self, rank: int, stream: str, lines: list[str]) -> None:
+        for line in lines:
+            print(f"{rank_label([rank], stream)} {line}", file=getattr(sys, stream), flush=True)
+
+    def _print_pieces(self, pieces) -> None:
+        """Print unfinished lines (``line_pieces``) as the lines they are so far."""
+        for (rank, stream), piece in pieces:
+            if piece:
+                self._print_lines(rank, stream, [piece])
 
     def _redraw(self, force: bool = False) -> None:
         now = time.monotonic()
@@ -160,6 +174,8 @@ class LiveOutput:
         """Called while waiting: draw pending text once the redraw interval passed."""
         if self.in_kernel and self._dirty:
             self._redraw()
+        elif not self.in_kernel and not self.silent:
+            self._print_pieces(self._pieces.overdue())
 
     def finish(self) -> None:
         """Empty the live view and write everything once (see the module's docstring)."""
@@ -169,7 +185,8 @@ class LiveOutput:
             self.texts.forget_results()
         self._note = ""  # the work ended: nothing waits any more
         if not self.in_kernel:
-            # Lines were printed as they came; only the cells' last values remain.
+            # Lines were printed as they came; only lines left unfinished and the cells' last values remain.
+            self._print_pieces(self._pieces.rest())
             values: dict[int, list[Item]] = {rank: [Value(text)] for rank, text in self.texts.results.items()
                                              if text is not None}
             _write(sys.stdout, blocks_text(group_blocks(values)))

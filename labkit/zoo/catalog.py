@@ -1,10 +1,10 @@
 """The model catalog: how a model is declared, and the models this process can train.
 
 A model is one declaration, ``ModelDeclaration``, in a module of its own (the
-zoo's are ``labkit/zoo/mlp.py`` and ``labkit/zoo/gpt.py``), named by an entry
-point of the ``labkit.models`` group (``labkit.zoo.plugins``): labkit's own
-``pyproject.toml`` names the zoo's, a package of yours names yours, and both
-are found the same way, in the notebook and on every rank, with no call.
+zoo's are ``labkit/zoo/mlp.py`` and ``labkit/zoo/gpt.py``, named below in
+``BUILT_IN``); a package of yours names yours by an entry point of the
+``labkit.models`` group (``labkit.zoo.plugins``), found in the notebook and on
+every rank with no call. A broken one breaks only itself (``model_notes``).
 
 A declaration says, without importing torch: the model's name, its settings (a
 frozen dataclass: its fields are what ``model_settings`` may change, with their
@@ -68,21 +68,31 @@ class ModelDeclaration(Generic[S]):
                 return self.network(settings)
 
 
+# The zoo's models: there wherever labkit is importable, with or without its package metadata.
+BUILT_IN = {"mlp": "labkit.zoo.mlp:MODEL", "gpt": "labkit.zoo.gpt:MODEL"}
+
 # What is installed is the process's own: one reader per process, as ``importlib`` keeps one module table.
-_MODELS: PluginGroup[ModelDeclaration[Any]] = PluginGroup("labkit.models", "model", ModelDeclaration)
+_MODELS: PluginGroup[ModelDeclaration[Any]] = PluginGroup("labkit.models", "model", ModelDeclaration,
+                                                          built_in=BUILT_IN)
 
 
 def model(name: str) -> ModelDeclaration[Any]:
-    """The declaration of model ``name``; PluginError (a ValueError) naming the known models when there is none."""
+    """The declaration of model ``name``; PluginError (a ValueError) naming the known models when there is none,
+    or saying why an installed one does not load."""
     if not isinstance(name, str) or not _MODELS.knows(name):
-        raise PluginError(f"unknown model {name!r}: choose one of {', '.join(_MODELS.names())}. "
-                         f"{_MODELS.install_hint()}")
+        raise PluginError(f"unknown model {name!r}: choose one of {', '.join(_MODELS.names())}."
+                         f"{_MODELS.not_loading()} {_MODELS.install_hint()}")
     return _MODELS.get(name)
 
 
 def model_names() -> tuple[str, ...]:
-    """Every model this process can train, in list order."""
+    """Every model this process can train, in list order (``model_notes``: the installed ones that do not load)."""
     return _MODELS.names()
+
+
+def model_notes() -> tuple[str, ...]:
+    """One line for each installed model that is not used: its error, and what to do."""
+    return _MODELS.notes()
 
 
 def register_model(declaration: ModelDeclaration[Any]) -> None:

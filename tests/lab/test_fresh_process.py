@@ -172,6 +172,30 @@ def test_groups_a_script_creates_are_destroyed(lab, capsys):
     assert lab.run_cell("x = torch.ones(1)\ndist.all_reduce(x)\nx.item()") == ["2.0", "2.0"]
 
 
+# -- 2.9 logging ----------------------------------------------------------------------------------
+
+LOGGING_SCRIPT = """import logging, sys
+import torch.distributed as dist
+dist.init_process_group("gloo")
+logging.basicConfig(filename=f"{sys.argv[1]}-{dist.get_rank()}.log", format=sys.argv[2] + " %(message)s",
+                    level=logging.INFO)
+logging.getLogger("trainer").info("step done")
+"""
+
+
+def test_each_script_starts_with_logging_unconfigured(lab, capsys, tmp_path):
+    script = write(tmp_path / "logs.py", LOGGING_SCRIPT)
+    lab.run_script(script, tmp_path / "first", "FIRST")
+    lab.run_script(script, tmp_path / "second", "SECOND")  # its basicConfig works: its format, its file
+    for rank in (0, 1):
+        assert (tmp_path / f"first-{rank}.log").read_text() == "FIRST step done\n"  # nothing of the second
+        assert (tmp_path / f"second-{rank}.log").read_text() == "SECOND step done\n"
+    # The ranks keep no handler of the scripts, and no file of theirs open.
+    assert lab.run_cell("import logging, os\n(logging.getLogger().handlers, logging.getLogger('trainer').handlers, "
+                        f"[path for path in os.listdir('/proc/self/fd') if {str(tmp_path)!r} in "
+                        "os.path.realpath('/proc/self/fd/' + path)])") == ["([], [], [])"] * 2
+
+
 # -- 2.7 and 2.8 environment -----------------------------------------------------------------------
 
 

@@ -46,6 +46,14 @@ def test_cell_output_is_labelled_by_rank(lab, capsys):
     assert sorted(lines) == [f"[rank {r}] hello from {r}" for r in range(4)]
 
 
+def test_a_line_printed_in_pieces_is_one_labelled_line(lab, capsys):
+    # The pieces reach the notebook apart (flushed, a pause between); a piece left open shows at the end.
+    lab.run_cell("import time\nprint('abc', end='', flush=True)\ntime.sleep(0.6)\nprint('def')\n"
+                 "print('open', rank, end='', flush=True)", live=False)
+    lines = capsys.readouterr().out.splitlines()
+    assert sorted(lines) == sorted([f"[rank {r}] abcdef" for r in range(4)] + [f"[rank {r}] open {r}" for r in range(4)])
+
+
 def test_cell_on_some_ranks(lab):
     assert lab.run_cell("rank", ranks=[0, 2], live=False) == ["0", "2"]
     with pytest.raises(ValueError, match="between 0 and 3"):

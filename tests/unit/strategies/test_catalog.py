@@ -1,6 +1,9 @@
 """The catalogs: a strategy or a model is one declaration, found by entry points; the rest reads them (no ranks)."""
 
 import importlib.metadata
+import os
+import pathlib
+import re
 import subprocess
 import sys
 from dataclasses import replace
@@ -17,6 +20,7 @@ from labkit.strategies.catalog import (
     Strategy,
     axes_of,
     parse_strategy,
+    refresh_strategies,
     register,
     role_of,
     settings_by_name,
@@ -24,11 +28,14 @@ from labkit.strategies.catalog import (
     strategies,
     strategy,
     strategy_names,
+    strategy_notes,
     unregister,
 )
 from labkit.strategies.ddp import BUCKET_CAP_MB
 from labkit.strategies.rank_side import rank_module
-from labkit.zoo.catalog import model, model_names
+from labkit.magics.parsing import HelpShown
+from labkit.zoo import plugins
+from labkit.zoo.catalog import model, model_names, model_notes, refresh_models
 from labkit.zoo.plugins import PluginError
 
 from tests.plugins.installed import fake_distribution, on_path
@@ -36,13 +43,37 @@ from tests.plugins.installed import fake_distribution, on_path
 BUILT_IN = ("ddp", "fsdp", "tp", "pp", "ps", "diloco")
 
 
-def test_the_built_ins_are_found_by_labkits_own_entry_points():
-    declared = {point.name: point.value for point in importlib.metadata.entry_points(group="labkit.strategies")
-                if point.dist is not None and point.dist.name == "labkit"}
-    assert declared == {name: f"labkit.strategies.{name}:STRATEGY" for name in BUILT_IN}
-    assert strategy_names()[:len(BUILT_IN)] == BUILT_IN  # in list order, whatever order pip wrote them in
+def test_the_built_ins_are_found_in_labkits_own_code():
+    assert strategy_names()[:len(BUILT_IN)] == BUILT_IN  # in list order
     assert model_names()[:2] == ("mlp", "gpt")
     assert list(CATALOG) == list(strategy_names()) and CATALOG["ddp"] is strategy("ddp")
+
+
+def test_the_built_ins_need_no_package_metadata(monkeypatch):
+    # A checkout on PYTHONPATH, not installed: no labkit metadata, so no entry points at all.
+    monkeypatch.setattr(plugins, "distributions", lambda: [])
+    refresh_strategies()
+    refresh_models()
+    try:
+        assert strategy_names() == BUILT_IN and model_names() == ("mlp", "gpt")
+        assert resolve(4, strategy="fsdp+tp", model="gpt").parts == ("fsdp", "tp")
+        with pytest.raises(ValueError, match=r"unknown strategy 'zero3': use ddp, fsdp, tp, pp, ps, diloco or"):
+            parse_strategy("zero3")
+    finally:
+        monkeypatch.undo()
+        refresh_strategies()
+        refresh_models()
+
+
+def test_a_checkout_on_the_path_alone_lists_the_built_ins(tmp_path):
+    # python -S: no site-packages, so neither labkit's metadata nor any package's; labkit from PYTHONPATH.
+    probe = ("from labkit.strategies.catalog import strategy_names\nfrom labkit.zoo.catalog import model_names\n"
+             "print(','.join(strategy_names()), ','.join(model_names()))")
+    checkout = str(pathlib.Path(__file__).parents[3])
+    done = subprocess.run([sys.executable, "-S", "-c", probe], capture_output=True, text=True, timeout=120,
+                          cwd=tmp_path, env={"PYTHONPATH": checkout, "PATH": os.environ.get("PATH", "")})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == [",".join(BUILT_IN), "mlp,gpt"]
 
 
 def test_every_strategy_has_a_rank_module_with_apply_beside_its_declaration():
@@ -173,7 +204,8 @@ def test_a_name_two_packages_declare_is_refused_naming_both(tmp_path):
                           {module: PACKAGED.format(name="twin", summary=package)})
     with on_path(tmp_path):
         with pytest.raises(PluginError, match=r"two installed packages declare the strategy 'twin': "
-                                              r"(lab-extras|more-extras) .*; (lab-extras|more-extras) .*Uninstall one"):
+                                              r"(lab-extras|more-extras) .*; (lab-extras|more-extras) .*"
+                                              r"pip uninstall one of lab-extras, more-extras"):
             strategy("twin")
         assert strategy("ddp").name == "ddp"  # the other strategies are unaffected
 
@@ -214,3 +246,87 @@ def test_an_old_copy_of_labkits_metadata_first_on_the_path_hides_no_built_in(tmp
         assert importlib.metadata.entry_points(group="labkit.strategies").names == set()  # what it hides
         assert strategy_names()[:3] == ("ddp", "fsdp", "tp") and "gpt" in model_names()
         assert strategy("ddp").name == "ddp"
+
+
+# -- a broken plugin breaks only itself ----------------------------------------------------------------------
+
+BROKEN_AT_IMPORT = "raise RuntimeError('the plugin cannot start')\n"
+A_MODEL = '''
+from labkit.zoo.catalog import ModelDeclaration
+from labkit.zoo.mlp import MODEL as MLP
+MODEL = ModelDeclaration("{name}", "{summary}", MLP.settings, MLP.network, MLP.data, MLP.loss)
+'''
+
+
+def test_a_strategy_plugin_that_does_not_load_breaks_only_itself(tmp_path):
+    fake_distribution(tmp_path, "bad-extras", {"labkit.strategies": {"broken": "bad_extras:STRATEGY",
+                                                                     "missing": "good_extras:MISSING",
+                                                                     "garbled": ":::"}},
+                      {"bad_extras": BROKEN_AT_IMPORT})
+    fake_distribution(tmp_path, "good-extras", {"labkit.strategies": {"twin": "good_extras:STRATEGY"}},
+                      {"good_extras": PACKAGED.format(name="twin", summary="works")})
+    with on_path(tmp_path):
+        assert strategy_names() == (*BUILT_IN, "twin")  # the built-ins and the other plugin work
+        assert resolve(4, strategy="ddp", model="mlp").parts == ("ddp",)
+        assert resolve(4, strategy="twin").parts == ("twin",)
+        assert train_parser().parse_args(["--strategy", "ddp"]).strategy == "ddp"
+        with pytest.raises(PluginError, match=r"the strategy 'broken' of package bad-extras \(bad_extras:STRATEGY\) "
+                                              r"does not load: RuntimeError: the plugin cannot start; the other "
+                                              r"strategies work. To be rid of it: pip uninstall bad-extras"):
+            resolve(4, strategy="broken")
+        with pytest.raises(PluginError, match=r"'missing' .* does not load: AttributeError.*pip uninstall bad-extras"):
+            strategy("missing")
+        with pytest.raises(PluginError, match=r"the strategy 'garbled' of package bad-extras is declared as ':::', "
+                                              r"which is no 'module:attribute' .*pip uninstall bad-extras"):
+            strategy("garbled")
+        with pytest.raises(PluginError, match=r"unknown strategy 'zero3': use ddp, .*, twin or .* Installed but not "
+                                              r"loading: broken, garbled, missing"):
+            parse_strategy("zero3")
+        notes = strategy_notes()
+        assert len(notes) == 3 and all("pip uninstall bad-extras" in note for note in notes)
+        assert "RuntimeError: the plugin cannot start" in " ".join(notes)
+
+
+def test_a_broken_model_plugin_leaves_a_mistyped_name_unknown(tmp_path):
+    fake_distribution(tmp_path, "bad-models",
+                      {"labkit.models": {"crash": "bad_models:MODEL", "tiny": "tiny_one:MODEL"}},
+                      {"bad_models": BROKEN_AT_IMPORT, "tiny_one": A_MODEL.format(name="tiny", summary="fine")})
+    with on_path(tmp_path):
+        with pytest.raises(PluginError, match=r"unknown model 'resnet': choose one of mlp, gpt, tiny\. Installed but "
+                                              r"not loading: crash"):
+            model("resnet")
+        with pytest.raises(PluginError, match=r"'crash' of package bad-models .* RuntimeError: the plugin cannot "
+                                              r"start.*pip uninstall bad-models"):
+            model("crash")
+        assert model("tiny").summary == "fine" and resolve(4, strategy="ddp", model="mlp").model == "mlp"
+        assert [note.split(" (")[0] for note in model_notes()] == ["the model 'crash' of package bad-models"]
+
+
+def test_train_help_names_the_plugins_that_do_not_load(tmp_path, capsys):
+    fake_distribution(tmp_path, "bad-extras", {"labkit.strategies": {"broken": "bad_extras:STRATEGY"}},
+                      {"bad_extras": BROKEN_AT_IMPORT})
+    with on_path(tmp_path):
+        with pytest.raises(HelpShown):
+            train_parser().parse_args(["--help"])
+    said = capsys.readouterr().out
+    assert re.search(r"--strategy S +ddp, fsdp, tp, pp, ps, diloco or a composition", said)
+    assert "Installed but not used:\n  the strategy 'broken' of package bad-extras" in said
+    assert "pip uninstall bad-extras" in said
+
+
+def test_a_plugin_cannot_take_a_built_ins_name_or_setting(tmp_path):
+    fake_distribution(tmp_path, "rogue-extras", {"labkit.strategies": {"ddp": "rogue_extras:STRATEGY",
+                                                                       "bucketed": "rogue_bucketed:STRATEGY"}},
+                      {"rogue_extras": PACKAGED.format(name="ddp", summary="not labkit's"),
+                       "rogue_bucketed": PACKAGED.replace('summary="{summary}"',
+                                                          'summary="x", settings=(Setting("bucket_cap_mb", 1.0, "x"),)')
+                       .replace("import Strategy", "import Setting, Strategy").format(name="bucketed")})
+    with on_path(tmp_path):
+        assert strategy("ddp").summary != "not labkit's" and strategy("ddp").module_name == "labkit.strategies.ddp"
+        assert strategy_names() == BUILT_IN
+        assert settings_by_name()["bucket_cap_mb"][0] == "ddp"
+        with pytest.raises(PluginError, match=r"'bucketed' has settings another strategy has: bucket_cap_mb "
+                                              r"\(ddp's\).*pip uninstall rogue-extras"):
+            strategy("bucketed")
+        notes = " ".join(strategy_notes())
+        assert "rogue-extras also declares a strategy 'ddp' (rogue_extras:STRATEGY); labkit's own is used" in notes
