@@ -13,6 +13,7 @@ happened on which rank. The next call finds a working lab.
 
 from __future__ import annotations
 
+from labkit.cluster.control import check_slowdown
 from labkit.cluster.launchers import choose_launcher
 from labkit.cluster.placement import RankPlan, plan_ranks
 from labkit.runs.push import push_values, run_on
@@ -191,10 +192,12 @@ class Lab(LabSites, LabWindow):
         """Make ``rank`` busy-wait ``seconds`` more each training step (None or 0: back to normal).
 
         For teaching: a straggler on demand. Takes effect at the rank's next
-        step, also during a run; training rows record it, so the dashboard marks it.
+        step, also during a run; training rows record it, so the dashboard marks it. The delay stays
+        below the lab's time limit (``lab.timeout``): a step that long would make every run time out.
         """
+        check_slowdown(rank, seconds, self.world_size, self.timeout)  # refused before the ranks are asked
         self.session.require_running()
-        return self.session.control.set_slowdown(rank, seconds, self.world_size)
+        return self.session.control.set_slowdown(rank, seconds, self.world_size, self.timeout)
 
     def link(self, bandwidth=..., latency=...):
         """Put a simulated slow network between the ranks: ``lab.link("100Mbit", "20ms")``; ``lab.link("off")``.
@@ -261,7 +264,8 @@ class Lab(LabSites, LabWindow):
         ``combine``: "mean" (averaged probabilities) or "vote". Settings: lr, seed, global_batch,
         heldout_batches, optimizer, model_settings, timeout, retries, sites (as ``tasks``: members train on
         their ranks too). Returns an ``EnsembleReport``: each member's held-out score against the ensemble's,
-        and their weights. See ``labkit.runs.ensemble``."""
+        and their weights. At most 64 members per rank; under vary="lr" at most 16, the largest rate at most 10
+        (``labkit.spec.bounds``). See ``labkit.runs.ensemble``."""
         from labkit.runs.ensemble import run_ensemble
 
         sites = self.site_sessions(settings.pop("sites", None))
@@ -375,6 +379,8 @@ class Lab(LabSites, LabWindow):
 
         Returns a ``CollectiveBench``: the slowest rank's time per size, algorithm
         and bus bandwidth, and the machine's memory-copy bandwidth as the ceiling.
+        ``iterations`` (1 to 10,000) and ``warmup`` (0 to 10,000) are checked first; a size above the
+        defaults' 16 MiB is checked against the ranks' free memory before any rank allocates it.
         """
         from labkit.runs.bench import run_benchmark
 

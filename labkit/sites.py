@@ -173,7 +173,10 @@ class LabSites:
             return join_command(self.session.require_running(), python)
         if ranks is not None and (isinstance(ranks, bool) or not isinstance(ranks, int) or not 1 <= ranks <= 1024):
             raise LabConfigError(f"ranks is how many ranks the site runs (1 to 1024), got {ranks!r}")
-        seconds = parse_seconds("expires", expires)
+        try:
+            seconds = parse_seconds("expires", expires)
+        except ValueError as error:
+            raise LabConfigError(str(error)) from None  # one line in the notebook, not the lab's frames
         endpoint = self._registry().open_line(address, port, url, certfile, keyfile)
         return endpoint.join_command(seconds, python, ranks)
 

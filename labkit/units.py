@@ -65,7 +65,7 @@ def format_bytes(count: float) -> str:
 
 def format_binary(size: int) -> str:
     """A power-of-two message size in binary units: 4096 -> ``'4 KiB'``."""
-    for unit, scale in (("MiB", 2**20), ("KiB", 2**10)):
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if size >= scale:
             return f"{size / scale:g} {unit}"
     return f"{size} B"

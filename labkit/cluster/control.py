@@ -25,6 +25,19 @@ from labkit.wire.store_keys import REQUEST_KEY, SLOW_KEY, STOP_KEY, VERSION_KEY
 WRITE_TIMEOUT_SECONDS = 5.0
 
 
+def check_slowdown(rank, seconds, world_size: int, limit: float) -> None:
+    """Refuse a rank that is not one, or a delay that is not a duration or reaches ``limit`` (the lab's time
+    limit for work: a step slowed that much makes every later run time out)."""
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise LabConfigError(f"rank must be between 0 and {world_size - 1}, got {rank!r}")
+    if seconds is not None and (
+        isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 <= seconds < limit
+    ):
+        raise LabConfigError(f"the delay is a number of seconds from 0 up to, not including, the lab's time limit "
+                             f"({limit:g} s: a step slowed that much would make every run time out), got "
+                             f"{seconds!r}; e.g. 0.03 (%lab slow {rank} 30ms)")
+
+
 class ControlRequests:
     """What the notebook currently asks of running work, and the store where the ranks read it."""
 
@@ -52,14 +65,9 @@ class ControlRequests:
         self.stop = bool(stop)
         self.write()
 
-    def set_slowdown(self, rank, seconds, world_size: int) -> str:
+    def set_slowdown(self, rank, seconds, world_size: int, limit: float) -> str:
         """Slow ``rank`` by ``seconds`` per training step (None or 0: back to normal); say what changed."""
-        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
-            raise LabConfigError(f"rank must be between 0 and {world_size - 1}, got {rank!r}")
-        if seconds is not None and (
-            isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 <= seconds < float("inf")
-        ):
-            raise LabConfigError(f"the delay must be a finite number of seconds >= 0, got {seconds!r}")
+        check_slowdown(rank, seconds, world_size, limit)
         if seconds:
             self.slow[rank] = float(seconds)
             message = f"rank {rank} now takes {seconds * 1000:g} ms longer per training step"

@@ -21,7 +21,7 @@ from labkit.lab import Lab
 from labkit.magics.auto import AutoMode
 from labkit.magics.commands import CELL
 from labkit.magics.completion import add_rank_matcher, remove_rank_matcher
-from labkit.magics.help import described_parsers, overview
+from labkit.magics.help import BARE, described_parsers, overview
 from labkit.magics.link import link_command
 from labkit.magics.network import join_command_line, join_parser, network_settings
 from labkit.magics.parsers import bench_parser, cell_parser, push_parser, start_parser, who_parser
@@ -148,6 +148,8 @@ class LabMagics(Magics):
         if asks_for_help(own):
             self._parser(command).print_help()
             return None
+        if command in BARE and rest:  # a word after a command that takes none is a mistake, not to be ignored
+            raise UsageError(f"%lab {command} takes no arguments, got {' '.join(rest)!r}: write %lab {command}")
         try:
             return handlers[command](rest)
         except HelpShown:  # a parser printed its help
@@ -251,8 +253,6 @@ class LabMagics(Magics):
         return None
 
     def heal(self, words: list[str]) -> Any:
-        if words:
-            raise UsageError("%lab heal takes no arguments")
         return self._require_lab().heal()
 
     def debug(self, words: list[str]) -> None:

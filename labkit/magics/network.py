@@ -57,6 +57,19 @@ def network_settings(options: argparse.Namespace) -> dict[str, Any]:
     return settings
 
 
+def span(text: str) -> str:
+    """``--expires``: a span of time as ``labkit.units.parse_seconds`` reads it (1h, 30m, 90s, 3600), kept as
+    written."""
+    from labkit.units import parse_seconds
+
+    try:
+        parse_seconds("--expires", text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a span of time above zero and at most 7 days, such as 1h, 30m "
+                                         f"or 90s; got {text!r}") from None
+    return text
+
+
 def join_parser():
     from labkit.magics.parsing import command_parser
 
@@ -68,7 +81,8 @@ def join_parser():
     join.add_argument("--certfile", metavar="PEM", help="--https: a certificate of your own (with --keyfile)")
     join.add_argument("--keyfile", metavar="PEM", help="--https: its private key")
     join.add_argument("--ranks", type=int, metavar="N", help="--https: ranks the site runs (default: its GPUs, or 1)")
-    join.add_argument("--expires", default="1h", metavar="SPAN", help="--https: new sites admitted for (1h, 30m)")
+    join.add_argument("--expires", default="1h", type=span, metavar="SPAN",
+                      help="--https: new sites admitted for (1h, 30m)")
     return join
 
 

@@ -14,7 +14,8 @@ from labkit.magics.auto import AUTO_FLAG
 from labkit.magics.commands import CELL
 from labkit.magics.network import add_network_arguments
 from labkit.magics.parsing import CommandParser, command_parser
-from labkit.magics.values import rank_list, seconds, size_range
+from labkit.magics.values import bounded_count, rank_list, seconds, size_range
+from labkit.spec.bounds import MAX_BENCH_ITERATIONS, check_whole
 
 OPERATIONS = ("allreduce", "all_reduce", "allgather", "all_gather", "reduce_scatter", "reducescatter", "broadcast")
 
@@ -40,7 +41,10 @@ def bench_parser() -> CommandParser:
     bench.add_argument("operation", choices=OPERATIONS, metavar="OPERATION",
                        help="allreduce, all_gather, reduce_scatter or broadcast")
     bench.add_argument("--sizes", type=size_range, metavar="1KB:16MB", help="message sizes: the powers of two between")
-    bench.add_argument("--iters", type=int, help="repetitions per size (default: more for small sizes)")
+    iterations = bounded_count(lambda value: check_whole("a repetition count", value, MAX_BENCH_ITERATIONS,
+                                                         "--iters 20"))
+    bench.add_argument("--iters", type=iterations, metavar="N",
+                       help=f"repetitions per size, 1 to {MAX_BENCH_ITERATIONS:,} (default: more for small sizes)")
     return bench
 
 

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from IPython.core.error import UsageError
 
 from labkit.magics.parsing import CommandParser, command_parser
+from labkit.magics.values import seconds
 from labkit.zoo.catalog import model_names
 
 if TYPE_CHECKING:
@@ -30,7 +31,7 @@ def tasks_parser() -> CommandParser:
     parser = command_parser("tasks")
     parser.add_argument("function", metavar="FN", help="the name of a function in the notebook, called with each item")
     parser.add_argument("items", metavar="ITEMS", help="the name of a list (or any iterable) in the notebook")
-    parser.add_argument("--timeout", type=float, metavar="S", help="limit for each task, seconds")
+    parser.add_argument("--timeout", type=seconds, metavar="S", help="limit for each task, seconds")
     parser.add_argument("--retries", type=int, help="how often a task may be requeued after its rank is lost")
     return parser
 
@@ -48,7 +49,7 @@ def ensemble_parser() -> CommandParser:
                         help="averaged probabilities or a vote (default mean)")
     parser.add_argument("--lr", type=float, help="learning rate (with --vary lr: the middle of the spread)")
     parser.add_argument("--seed", type=int, help="the first member's seed (under --vary seed member i takes seed + i)")
-    parser.add_argument("--timeout", type=float, metavar="S", help="limit for each member, seconds")
+    parser.add_argument("--timeout", type=seconds, metavar="S", help="limit for each member, seconds")
     return parser
 
 

@@ -8,20 +8,43 @@ read by hand, raises the ``UsageError`` the notebook shows.
 from __future__ import annotations
 
 import argparse
+import re
+from collections.abc import Callable
 
 from IPython.core.error import UsageError
 
+from labkit.spec.errors import LabConfigError
 from labkit.units import parse_duration, positive_seconds, power_of_two_range
 
 RUN_OPTIONS = ("--ranks", "--timeout")  # %lab run's own options, which stand before the script
 RUN_FLAGS = ("--instruments", "--dashboard", "--background")  # and its switches, there too
+_DECIMAL = re.compile(r"^-?(\d+\.\d*|\.\d+|\d+(\.\d*)?e[-+]?\d+)$", re.IGNORECASE)  # 0.5, .5, 1e-3 (not inf)
 
 
 def seconds(text: str) -> float:
     try:
-        return positive_seconds("a time limit", float(text))
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a time limit is a number of seconds, e.g. 60; got {text!r}") from None
+    try:
+        return positive_seconds("a time limit", value)
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def bounded_count(check: Callable[[int], object]) -> Callable[[str], int]:
+    """An argparse ``type`` for a whole number ``check`` bounds (``check(value)`` raises LabConfigError)."""
+    def count(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        try:
+            check(value)
+        except LabConfigError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+        return value
+    return count
 
 
 def rank_list(text: str) -> list[int]:
@@ -31,16 +54,20 @@ def rank_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"ranks are written 0,2,3; got {text!r}") from None
 
 
-def name_values(text: str) -> dict[str, int | str]:
-    """``dim=128,layers=8`` -> {"dim": 128, "layers": 8} (integers where they are integers)."""
-    settings: dict[str, int | str] = {}
+def name_values(text: str) -> dict[str, int | float | str]:
+    """``dim=128,layers=8`` -> {"dim": 128, "layers": 8} (integers where they are integers, numbers where they
+    are written as decimals, else words: the model's settings check the kind each takes)."""
+    settings: dict[str, int | float | str] = {}
     for word in text.replace(" ", ",").split(","):
         if not word:
             continue
         name, equals, value = word.partition("=")
         if not equals:
             raise argparse.ArgumentTypeError(f"write settings as name=value, got {word!r}")
-        settings[name] = int(value) if value.lstrip("-").isdigit() else value
+        if not name:
+            raise argparse.ArgumentTypeError(f"write settings as name=value, e.g. dim=128; got {word!r}")
+        settings[name] = int(value) if value.lstrip("-").isdigit() else float(value) if _DECIMAL.match(value) \
+            else value
     return settings
 
 

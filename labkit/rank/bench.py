@@ -55,6 +55,21 @@ def measure(operation: str, sizes, iterations: int, warmup: int) -> list[float]:
     return results
 
 
+def free_memory() -> tuple[str, int]:
+    """(where this rank's messages live, bytes free there): a GPU of a host, or a host's memory, which the
+    ranks on that host share."""
+    import socket
+
+    import psutil
+
+    device = _rank_device()
+    if device.type == "cuda":
+        import torch
+
+        return f"{device}@{socket.gethostname()}", int(torch.cuda.mem_get_info(device)[0])
+    return socket.gethostname(), int(psutil.virtual_memory().available)
+
+
 def memcpy_bandwidth(size: int = 64 * 2**20, repeats: int = 10) -> float:
     """Bytes per second of a large tensor copy on the rank's device (read and write of ``size`` bytes)."""
     import torch

@@ -18,10 +18,13 @@ uninstrumented); ``CollectiveBench`` here is the notebook's table and picture.
 from __future__ import annotations
 
 import io
+from collections import Counter
 from typing import TYPE_CHECKING
 
-from labkit.rank.bench import measure, memcpy_bandwidth
-from labkit.units import format_binary
+from labkit.rank.bench import free_memory, measure, memcpy_bandwidth
+from labkit.spec.bounds import MAX_BENCH_ITERATIONS, check_whole
+from labkit.spec.errors import LabConfigError
+from labkit.units import format_binary, format_bytes
 
 if TYPE_CHECKING:  # the session is a layer above the runs it drives
     from labkit.session import Session
@@ -34,6 +37,9 @@ BUS_FACTOR = {
     "broadcast": lambda n: 1.0,
 }
 DEFAULT_SIZES = tuple(2**power for power in range(10, 25, 2))  # 1 KiB .. 16 MiB
+# A rank holds a message and a working copy of about its size (the collective's own buffers), and the
+# benchmark takes at most half of the rank's share of free memory: the largest message is a quarter of it.
+MESSAGE_SHARE = 4
 
 
 class CollectiveBench:
@@ -92,18 +98,42 @@ class CollectiveBench:
         return buffer.getvalue()
 
 
-def run_benchmark(session: Session, operation: str, sizes, iterations: int | None, warmup: int,
-                  timeout: float) -> CollectiveBench:
-    """Notebook side of ``Lab.bench_collective``: check the request, time each size, gather."""
-    from labkit.spec.errors import LabConfigError
-
-    name = operation.replace("allreduce", "all_reduce").replace("allgather", "all_gather")
-    name = name.replace("reducescatter", "reduce_scatter")
+def check_request(operation, sizes, iterations, warmup) -> tuple[str, list[int]]:
+    """(the collective's name, the sizes) of a benchmark request; LabConfigError, with the bound, for a value
+    that would time nothing or forever (negative repetitions print negative times)."""
+    name = operation.replace("allreduce", "all_reduce").replace("allgather", "all_gather") \
+        if isinstance(operation, str) else operation
+    name = name.replace("reducescatter", "reduce_scatter") if isinstance(name, str) else name
     if name not in OPERATIONS:
         raise LabConfigError(f"unknown collective {operation!r}: choose {', '.join(OPERATIONS)}")
     sizes = list(sizes or DEFAULT_SIZES)
     if not sizes or any(isinstance(size, bool) or not isinstance(size, int) or size < 4 for size in sizes):
-        raise LabConfigError("sizes are message sizes in bytes, each at least 4")
+        raise LabConfigError("sizes are message sizes in bytes, each at least 4, e.g. sizes=[1024, 2**20]")
+    if iterations is not None:
+        check_whole("iterations", iterations, MAX_BENCH_ITERATIONS, "iterations=20 (left out: more for small sizes)")
+    check_whole("warmup", warmup, MAX_BENCH_ITERATIONS, "warmup=3", least=0)
+    return name, sizes
+
+
+def check_room(largest: int, free: list[tuple[str, int]]) -> None:
+    """Refuse a message larger than the ranks' memory holds (``free``: each rank's place and bytes free there),
+    before any rank allocates it."""
+    sharing = Counter(place for place, _ in free)  # ranks of one host share its memory (one GPU: its rank)
+    share = min(bytes_free // sharing[place] for place, bytes_free in free)
+    most = share // MESSAGE_SHARE
+    if largest > most:
+        fits = format_binary(2 ** (most.bit_length() - 1)) if most >= 4 else "nothing"
+        raise LabConfigError(f"a message of {format_binary(largest)} does not fit: each rank has about "
+                             f"{format_bytes(share)} free, and holds a message and a working copy of it within "
+                             f"half of that, so the largest message is {fits}; e.g. sizes='1KB:16MB'")
+
+
+def run_benchmark(session: Session, operation: str, sizes, iterations: int | None, warmup: int,
+                  timeout: float) -> CollectiveBench:
+    """Notebook side of ``Lab.bench_collective``: check the request, time each size, gather."""
+    name, sizes = check_request(operation, sizes, iterations, warmup)
+    if max(sizes) > max(DEFAULT_SIZES):  # the defaults fit any rank: only a larger message asks the ranks
+        check_room(max(sizes), session.run(free_memory, timeout=timeout))
     by_size = []
     for size in sizes:  # one call per size, each under the time limit
         count = iterations or max(5, min(200, 2**24 // size))

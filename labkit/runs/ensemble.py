@@ -33,6 +33,8 @@ from typing import TYPE_CHECKING
 import numpy
 
 from labkit.runs.tasks import run_tasks
+from labkit.spec.bounds import (MAX_GLOBAL_BATCH, MAX_LR, MAX_LR_MEMBERS, MAX_MEMBERS_PER_RANK, MAX_STEPS, check_lr,
+                                check_whole, largest_member_lr, lr_spread)
 from labkit.spec.errors import LabConfigError
 from labkit.spec.train_config import OPTIMIZERS
 from labkit.wire import entry
@@ -48,17 +50,28 @@ COMBINES = ("mean", "vote")
 
 
 def member_specs(model: str, members: int, steps: int, vary: str, lr: float, seed: int, global_batch: int,
-                 heldout_batches: int, optimizer: str, model_settings: dict) -> list[dict]:
-    """What each member trains, checked before any rank works."""
+                 heldout_batches: int, optimizer: str, model_settings: dict, ranks: int = 1) -> list[dict]:
+    """What each member trains, checked before any rank works; ``ranks``: how many ranks share the members."""
     for name, value in (("members", members), ("steps", steps), ("global_batch", global_batch),
                         ("heldout_batches", heldout_batches)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise LabConfigError(f"{name} is a positive integer, got {value!r}")
+    most = MAX_MEMBERS_PER_RANK * ranks  # each rank trains its members one after another
+    check_whole("members", members, most, f"members=4 (at most {MAX_MEMBERS_PER_RANK} per rank: {most} on "
+                                          f"{ranks} rank{'s' if ranks != 1 else ''})")
+    check_whole("steps", steps, MAX_STEPS, "steps=30")
+    check_whole("global_batch", global_batch, MAX_GLOBAL_BATCH, "global_batch=32")
     if vary not in VARIES:
         raise LabConfigError(f"vary is 'seed' (each member its own initial weights) or 'lr' (learning rates "
                              f"spread around lr), got {vary!r}")
-    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not 0 < lr < float("inf"):
-        raise LabConfigError(f"lr is a positive learning rate, got {lr!r}")
+    check_lr("lr", lr, "lr=3e-3")
+    if vary == "lr":
+        check_whole("members", members, MAX_LR_MEMBERS, "members=5 with vary='lr' (their learning rates double "
+                    f"from one to the next: {MAX_LR_MEMBERS} already span 2**{MAX_LR_MEMBERS - 1})")
+        if largest_member_lr(lr, members) > MAX_LR:
+            raise LabConfigError(f"with vary='lr' the largest of {members} members' learning rates is lr x "
+                                 f"{lr_spread(members):g} = {largest_member_lr(lr, members):g}, above {MAX_LR:g}: "
+                                 f"give a smaller lr (at most {MAX_LR / lr_spread(members):.3g}) or fewer members")
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63 - members:
         raise LabConfigError(f"seed is a non-negative integer, got {seed!r}")
     if optimizer not in OPTIMIZERS:
@@ -69,7 +82,7 @@ def member_specs(model: str, members: int, steps: int, vary: str, lr: float, see
         raise LabConfigError(str(error)) from None
     specs = []
     for member in range(members):
-        spread = 2.0 ** (member - (members - 1) / 2) if vary == "lr" else 1.0
+        spread = 2.0 ** (member - (members - 1) / 2) if vary == "lr" else 1.0  # bounded above
         specs.append({
             "member": member, "model": model, "model_settings": dict(model_settings or {}), "steps": steps,
             "global_batch": global_batch, "heldout_batches": heldout_batches, "optimizer": optimizer,
@@ -170,7 +183,8 @@ def run_ensemble(session: Session, model: str = "gpt", members: int = 4, steps: 
         voters = [name for name in model_names() if declared_model(name).classifies]
         raise LabConfigError(f"{model} is a regression: there is nothing to vote on. Use combine='mean', "
                              f"or a model that classifies ({', '.join(voters)})")
+    ranks = session.world_size + sum(site.world_size for site in (sites or {}).values())
     specs = member_specs(model, members, steps, vary, lr, seed, global_batch, heldout_batches, optimizer,
-                         model_settings or {})
+                         model_settings or {}, ranks)
     tasks = run_tasks(session, entry.train_member, specs, timeout=timeout, retries=retries, live=live, sites=sites)
     return combine_members(tasks.values, model, vary, combine, tasks)

@@ -93,7 +93,7 @@ def pack_own(model: Any, data: Any = None, loss: Any = None, fsdp_units: Any = N
     values = {**_names_read(model, data, loss, fsdp_units or ()), "labkit_model": model, "labkit_data": data,
               "labkit_loss": loss, "labkit_options": options}
     try:
-        items, sources, said = pack(values)
+        items, sources, said = pack(values, shadows_builtins=True)  # as the code reads them in the notebook
     except LabConfigError as error:
         raise LabConfigError(f"your model, data or loss cannot travel to the ranks: {error}") from None
     name = type(network).__name__
@@ -233,6 +233,7 @@ def _sample(data: Any) -> tuple[Any, int | None, str]:
 def _names_read(*roots: Any) -> dict:
     """The notebook's names the user's code reads (found in its bytecode), and those their code reads in turn."""
     namespace = _notebook_namespace()
+    ipython_own = _ipython_hidden()
     found: dict = {}
     waiting = [root for root in _flattened(roots)]
     seen: set[int] = set()
@@ -248,6 +249,9 @@ def _names_read(*roots: Any) -> dict:
         for name in _global_names(value):
             if name in found or name in IPYTHON_NAMES or name in LAB_NAMES or name not in namespace:
                 continue
+            if name in ipython_own and namespace[name] is ipython_own[name]:
+                continue  # IPython's own (its open, exit, display): the ranks' builtins stand in its place
+
             found[name] = namespace[name]
             waiting.append(namespace[name])
         if isinstance(value, type):
@@ -266,6 +270,13 @@ def _notebook_namespace() -> dict:
     if shell is not None:
         return shell.user_ns
     return vars(sys.modules.get(NOTEBOOK_MODULE, types.ModuleType(NOTEBOOK_MODULE)))
+
+
+def _ipython_hidden() -> dict:
+    """What IPython itself put in the notebook's namespace (its ``open``, ``exit``, ``In``: ``user_ns_hidden``)."""
+    from IPython import get_ipython  # a shell, if any, is IPython's
+
+    return dict(getattr(get_ipython(), "user_ns_hidden", None) or {})
 
 
 def _flattened(roots: tuple) -> list:

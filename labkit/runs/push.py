@@ -24,6 +24,7 @@ namespace changes (``labkit.rank.push``), so a push that fails there leaves it a
 from __future__ import annotations
 
 import ast
+import builtins
 import io
 import keyword
 import linecache
@@ -172,14 +173,23 @@ def class_statement(cls) -> tuple[str, list[str], str] | None:
 # -- packing -------------------------------------------------------------------------
 
 
-def check_name(name, value) -> str | None:
-    """Why ``name`` cannot be pushed (None: it can)."""
+def check_name(name, value, shadows_builtins: bool = False) -> str | None:
+    """Why ``name`` cannot be pushed (None: it can). ``shadows_builtins``: a value may take a builtin's name (the
+    names a notebook function reads, which already stand in the builtin's place in the notebook)."""
     if not isinstance(name, str) or not name.isidentifier() or keyword.iskeyword(name):
         return f"{name!r} is not a Python name"
     if name in LAB_NAMES:
         own = LAB_NAMES[name]
         if own is None or not isinstance(value, types.ModuleType) or value.__name__ != own:
             return f"{name} is the lab's own name on every rank: push it under another name"
+    if name.startswith("__") and name.endswith("__"):
+        # __builtins__, __name__ and the like are how Python runs the ranks' code: replaced, every later call breaks.
+        return f"{name} is one of Python's own names (a dunder name), which the ranks' code needs as it is: " \
+               f"push it under a plain name, e.g. lab.push(my_value=...)"
+    if name in vars(builtins) and not callable(value) and not shadows_builtins:
+        # A function (or class) in a builtin's place is a deliberate replacement; a value there breaks every use.
+        return f"{name} is Python's builtin {name}(): a {type(value).__name__} in its place would break every " \
+               f"later use of it on the ranks; push it under another name, e.g. lab.push(my_{name}=...)"
     return None
 
 
@@ -211,17 +221,18 @@ def pack_one(name: str, value, pushed_classes: dict[int, str]) -> tuple[dict, st
     return item, how, notebook_sources(value) if how == "by source" else {}
 
 
-def pack(values: dict) -> tuple[list[dict], dict, list[tuple[str, str]]]:
+def pack(values: dict, shadows_builtins: bool = False) -> tuple[list[dict], dict, list[tuple[str, str]]]:
     """(what the ranks build, in order; {cell: lines} for tracebacks; (name, how) in the order given).
 
-    Every value is checked; LabConfigError names each one that cannot travel, and nothing is packed."""
+    Every value is checked (``check_name``); LabConfigError names each one that cannot travel, and nothing is
+    packed."""
     if not values:
         raise LabConfigError("nothing to push: name the values, e.g. lab.push(helper=helper, np=np)")
     pushed_classes = {id(value): name for name, value in values.items() if isinstance(value, type)
                       and from_notebook(value)}
     items, sources, said, problems = [], {}, [], []
     for name, value in values.items():
-        problem = check_name(name, value)
+        problem = check_name(name, value, shadows_builtins)
         if problem is not None:
             problems.append(problem)
             continue

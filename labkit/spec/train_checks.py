@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from labkit.spec.bounds import MAX_GLOBAL_BATCH, MAX_MICRO_BATCHES, MAX_STEPS, check_lr, check_whole
 from labkit.strategies.catalog import checkpoint_refusal, strategy
 
 if TYPE_CHECKING:
@@ -42,6 +43,9 @@ def check_config(config: TrainConfig) -> None:
     """Refuse, with the reason, a resolved config that cannot run: general settings, then each part's own."""
     for name in ("steps", "global_batch", "micro_batches", "log_every"):
         _positive_int(name, getattr(config, name))
+    check_whole("steps", config.steps, MAX_STEPS, "steps=1000 (continue a long run with resume=True)")
+    check_whole("micro_batches", config.micro_batches, MAX_MICRO_BATCHES, "micro_batches=4")
+    check_whole("global_batch", config.global_batch, MAX_GLOBAL_BATCH, "global_batch=32")
     for name in ("verify", "instruments", "tf32", "auto_heal"):
         if not isinstance(getattr(config, name), bool):
             raise ValueError(f"{name} is True or False, got {getattr(config, name)!r}")
@@ -62,7 +66,7 @@ def check_config(config: TrainConfig) -> None:
         _positive_number("peak_tflops", config.peak_tflops, "the device's peak in TFLOP/s")
     if config.optimizer not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {config.optimizer!r}: choose {', '.join(OPTIMIZERS)}")
-    _positive_number("lr", config.lr, "the learning rate")
+    check_lr("lr", config.lr)
     if config.own is not None and config.model_settings:
         raise ValueError(f"model_settings resize a model of the zoo; your own {config.own.name} takes its settings "
                          f"where you build it: model=lambda: {config.own.name}(...)")

@@ -28,6 +28,7 @@ parameter server's push and pull go), or give ranks roles (for example
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from importlib.metadata import EntryPoint
@@ -80,8 +81,8 @@ class Setting(Generic[T]):
                 kind = "a positive integer" if least == 1 else f"an integer of at least {least:g}"
                 raise ValueError(f"{self.name} ({strategy}) is {kind}, got {value!r}")
         if isinstance(self.default, float):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
-                raise ValueError(f"{self.name} ({strategy}) is a number, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"{self.name} ({strategy}) is a finite number, got {value!r}")
             if self.minimum is None and not value > 0:
                 raise ValueError(f"{self.name} ({strategy}) is a positive number, got {value!r}")
             if self.minimum is not None and value < self.minimum:

@@ -31,7 +31,8 @@ if TYPE_CHECKING:
     from labkit.spec.train_config import TrainConfig
     from labkit.strategies.compose import Composition
 
-BUCKET_CAP_MB = Setting("bucket_cap_mb", 25.0, "DDP gradient bucket size, MB")
+# Below a million MB (a terabyte): a bucket larger than all of a model's gradients is simply one bucket.
+BUCKET_CAP_MB = Setting("bucket_cap_mb", 25.0, "DDP gradient bucket size, MB", below=1e6)
 
 STRATEGY = Strategy(
     "ddp", axis="dp", order=2, list_position=10,

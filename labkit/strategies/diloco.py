@@ -50,7 +50,7 @@ if TYPE_CHECKING:
     from labkit.torch_support.trainable import Trainable
 
 INNER_STEPS = Setting("inner_steps", 10, "DiLoCo: inner optimizer steps between outer steps (H)")
-OUTER_LR = Setting("outer_lr", 0.7, "DiLoCo: outer learning rate")
+OUTER_LR = Setting("outer_lr", 0.7, "DiLoCo: outer learning rate", below=10.0)  # as lr: spec.bounds.MAX_LR
 OUTER_MOMENTUM = Setting("outer_momentum", 0.9, "DiLoCo: outer Nesterov momentum (0: plain SGD)", minimum=0.0,
                          below=1.0)
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, Callable, Generic, TypeVar
 
 from labkit.zoo.plugins import PluginError, PluginGroup
+from labkit.zoo.setting_values import check_setting_values
 
 if TYPE_CHECKING:
     import torch
@@ -49,11 +50,12 @@ class ModelDeclaration(Generic[S]):
     def settings_for(self, overrides: dict | None = None) -> S:
         """The settings with ``overrides`` applied; unknown names refused, saying which are known."""
         overrides = dict(overrides or {})
-        known = {field.name for field in fields(self.settings)}  # type: ignore[arg-type]  # S is a dataclass
-        wrong = sorted(set(overrides) - known)
+        defaults = {field.name: field.default for field in fields(self.settings)}  # type: ignore[arg-type]
+        wrong = sorted(set(overrides) - set(defaults))
         if wrong:
             raise ValueError(f"model {self.name!r} has no setting {', '.join(wrong)}; its settings are "
-                             f"{', '.join(sorted(known))}")
+                             f"{', '.join(sorted(defaults))}")
+        check_setting_values(self.name, overrides, defaults)  # a wrong kind named here, not by torch on the ranks
         # A list (JSON, a magic's words) stands for a tuple: settings are frozen, and compared across runs.
         return self.settings(**{key: tuple(value) if isinstance(value, list) else value
                                 for key, value in overrides.items()})

@@ -21,10 +21,20 @@ def stage_slice(names: list[str], stage: int, stages: int, invert: bool = False)
 
 
 class Layered:
-    """Settings of a model made of ``layers`` layers: a name for messages, and the stages it can be cut into."""
+    """Settings of a model made of ``layers`` layers: a name for messages, and the stages it can be cut into.
+
+    Its whole-number settings are sizes and counts (widths, heads, layers, vocabulary): each at least 1."""
 
     name: ClassVar[str]
     layers: int
+
+    def __post_init__(self) -> None:
+        # Called by the dataclass's __init__: a size of 0 or below would only fail later, inside torch on the ranks.
+        for name, value in vars(self).items():
+            sizes = value if isinstance(value, tuple) else (value,)
+            if any(isinstance(size, int) and not isinstance(size, bool) and size < 1 for size in sizes):
+                raise ValueError(f"model {self.name!r}: setting {name} is a size, each at least 1, got {value!r}; "
+                                 f"e.g. {name}={getattr(type(self), name, value)!r}")
 
     def check_stages(self, stages: int) -> None:
         """Refuse more pipeline stages than layers: every stage must own at least one."""

@@ -241,3 +241,23 @@ def test_join_command_of_a_loopback_lab_says_only_this_machine_can_join(started,
     assert printed.startswith("python -m labkit join ")
     assert "share it like a password" in printed
     assert "only processes on this machine can join" in printed and "--controller-address" in printed
+
+
+def test_absurd_values_are_refused_before_the_ranks_work(started, capsys):
+    # A terabyte message was allocated on every rank (torch's allocator failed on each, 30 lines of traceback):
+    # now the ranks' free memory is asked first and the request refused in one line, the ranks left as they were.
+    with pytest.raises(LabConfigError, match=r"a message of 2 TiB does not fit: each rank has about .* free, .* "
+                                             r"the largest message is .*; e.g. sizes='1KB:16MB'"):
+        started.run_line_magic("lab", "bench allreduce --sizes 1TB:2TB")
+    lab = started.user_ns["lab"]
+    with pytest.raises(LabConfigError, match="a message of 1 TiB does not fit"):
+        lab.bench_collective("all_reduce", sizes=[2**40])
+    # A delay of 1e9 s made the next run hang to its limit; now refused below the lab's time limit (20 s here).
+    with pytest.raises(LabConfigError, match=r"not including, the lab's time limit \(20 s"):
+        started.run_line_magic("lab", "slow 0 1e9s")
+    with pytest.raises(LabConfigError, match="lr is a learning rate above 0 and at most 10"):
+        started.run_line_magic("lab", "train --lr 1e308 --steps 2")
+    with pytest.raises(LabConfigError, match="model 'gpt': setting dim is a whole number, got 'abc'"):
+        started.run_line_magic("lab", "train --model gpt --model-settings dim=abc --steps 2")
+    capsys.readouterr()
+    assert lab.run(lambda: 3) == [3, 3] and lab.session.control.slow == {}  # nothing was slowed or broken

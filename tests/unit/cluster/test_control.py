@@ -19,6 +19,7 @@ from labkit.spec.errors import LabConfigError, LabError
 from labkit.wire.store_keys import REQUEST_KEY, SLOW_KEY, STOP_KEY
 
 WORLD = 4
+LIMIT = 300.0  # the lab's time limit for work: a delay stays below it
 
 
 @pytest.fixture
@@ -52,7 +53,7 @@ def channel(store, rank):
 
 def test_the_store_holds_stop_and_slowdowns_by_rank(requests, store):
     requests.request_stop()
-    requests.set_slowdown(2, 0.03, WORLD)
+    requests.set_slowdown(2, 0.03, WORLD, LIMIT)
     assert stored(store) == {STOP_KEY: True, SLOW_KEY: {"2": 0.03}}
     requests.request_stop(False)
     assert stored(store) == {STOP_KEY: False, SLOW_KEY: {"2": 0.03}}
@@ -60,7 +61,7 @@ def test_the_store_holds_stop_and_slowdowns_by_rank(requests, store):
 
 def test_nothing_is_sent_before_ranks_exist_or_when_nothing_changes(store):
     requests = ControlRequests()
-    requests.set_slowdown(1, 0.5, WORLD)  # no store yet: kept, not sent
+    requests.set_slowdown(1, 0.5, WORLD, LIMIT)  # no store yet: kept, not sent
     requests.request_stop(False)  # the default: not even a connection
     assert requests._client is None and not store.check([REQUEST_KEY])
     requests.attach("127.0.0.1", store.port)  # a new group: standing requests are written at once
@@ -68,42 +69,43 @@ def test_nothing_is_sent_before_ranks_exist_or_when_nothing_changes(store):
 
 
 def test_slowdown_messages_say_what_changed(requests):
-    assert requests.set_slowdown(1, 0.02, WORLD) == "rank 1 now takes 20 ms longer per training step"
-    assert requests.set_slowdown(1, 2, WORLD) == "rank 1 now takes 2000 ms longer per training step"
+    assert requests.set_slowdown(1, 0.02, WORLD, LIMIT) == "rank 1 now takes 20 ms longer per training step"
+    assert requests.set_slowdown(1, 2, WORLD, LIMIT) == "rank 1 now takes 2000 ms longer per training step"
     assert requests.slow == {1: 2.0} and isinstance(requests.slow[1], float)
-    assert requests.set_slowdown(1, None, WORLD) == "rank 1 runs at its own speed again"
+    assert requests.set_slowdown(1, None, WORLD, LIMIT) == "rank 1 runs at its own speed again"
 
 
 @pytest.mark.parametrize("off", [None, 0, 0.0])
 def test_no_slowdown_removes_the_rank(requests, store, off):
-    requests.set_slowdown(0, 0.01, WORLD)
-    requests.set_slowdown(3, 0.02, WORLD)
-    requests.set_slowdown(0, off, WORLD)
+    requests.set_slowdown(0, 0.01, WORLD, LIMIT)
+    requests.set_slowdown(3, 0.02, WORLD, LIMIT)
+    requests.set_slowdown(0, off, WORLD, LIMIT)
     assert requests.slow == {3: 0.02}
     assert stored(store)[SLOW_KEY] == {"3": 0.02}
-    requests.set_slowdown(2, off, WORLD)  # a rank never slowed: nothing to remove, no error
+    requests.set_slowdown(2, off, WORLD, LIMIT)  # a rank never slowed: nothing to remove, no error
     assert requests.slow == {3: 0.02}
 
 
 @pytest.mark.parametrize("rank", [-1, WORLD, 99, True, False, "1", 1.0, None])
 def test_a_bad_rank_is_refused_with_the_valid_range(requests, store, rank):
     with pytest.raises(LabConfigError, match=r"rank must be between 0 and 3, got "):
-        requests.set_slowdown(rank, 0.01, WORLD)
+        requests.set_slowdown(rank, 0.01, WORLD, LIMIT)
     assert requests.slow == {} and not store.check([REQUEST_KEY])  # nothing written
 
 
-@pytest.mark.parametrize("seconds", [-0.001, -1, math.inf, math.nan, True, False, "30ms", [0.1]])
+@pytest.mark.parametrize("seconds", [-0.001, -1, math.inf, math.nan, True, False, "30ms", [0.1], LIMIT, 1e9])
 def test_a_bad_delay_is_refused(requests, store, seconds):
-    requests.set_slowdown(1, 0.01, WORLD)
-    with pytest.raises(LabConfigError, match="the delay must be a finite number of seconds >= 0, got "):
-        requests.set_slowdown(1, seconds, WORLD)
+    requests.set_slowdown(1, 0.01, WORLD, LIMIT)
+    with pytest.raises(LabConfigError, match=r"the delay is a number of seconds from 0 up to, not including, the "
+                                             r"lab's time limit \(300 s.*\), got .*; e.g. 0.03 \(%lab slow 1 30ms\)"):
+        requests.set_slowdown(1, seconds, WORLD, LIMIT)
     assert requests.slow == {1: 0.01}  # the earlier request stands
     assert stored(store)[SLOW_KEY] == {"1": 0.01}
 
 
 def test_a_shrunk_lab_forgets_requests_for_ranks_it_no_longer_has(requests):
-    requests.set_slowdown(1, 0.01, WORLD)
-    requests.set_slowdown(3, 0.02, WORLD)
+    requests.set_slowdown(1, 0.01, WORLD, LIMIT)
+    requests.set_slowdown(3, 0.02, WORLD, LIMIT)
     requests.forget_ranks_from(3)
     assert requests.slow == {1: 0.01}
 
@@ -119,7 +121,7 @@ def test_an_unreachable_store_is_an_error_that_says_what_to_do():
 
 
 def test_each_rank_reads_its_own_delay_and_the_shared_stop(requests, store):
-    requests.set_slowdown(2, 0.03, WORLD)
+    requests.set_slowdown(2, 0.03, WORLD, LIMIT)
     requests.request_stop()
     ranks = [channel(store, rank) for rank in range(WORLD)]
     for each in ranks:
@@ -132,10 +134,10 @@ def test_a_channel_sees_later_changes_and_nothing_before_any_request(requests, s
     rank_one = channel(store, 1)
     rank_one.poll()  # nothing was ever written: defaults
     assert (rank_one.stop_requested, rank_one.delay) == (False, 0.0)
-    requests.set_slowdown(1, 0.5, WORLD)
+    requests.set_slowdown(1, 0.5, WORLD, LIMIT)
     rank_one.poll()
     assert rank_one.delay == 0.5
-    requests.set_slowdown(1, None, WORLD)
+    requests.set_slowdown(1, None, WORLD, LIMIT)
     rank_one.poll()
     assert rank_one.delay == 0.0
 
@@ -157,7 +159,7 @@ def test_without_a_store_nothing_is_ever_requested():
 def test_spend_delay_busy_waits_the_delay(requests, store):
     import time
 
-    requests.set_slowdown(0, 0.02, WORLD)
+    requests.set_slowdown(0, 0.02, WORLD, LIMIT)
     rank_zero = channel(store, 0)
     rank_zero.poll()
     began = time.perf_counter()

@@ -166,8 +166,30 @@ def test_a_global_batch_larger_than_the_data_set_is_refused(notebook):
     from torch.utils.data import TensorDataset
 
     data = TensorDataset(torch.randn(40, 4), torch.zeros(40, dtype=torch.long))
-    settings, inspection = split_settings(dict(model=notebook["Net"], data=data, global_batch=10**9))
-    with pytest.raises(LabConfigError, match=r"global_batch=1000000000 is more samples than your data set has \(40\)"):
+    settings, inspection = split_settings(dict(model=notebook["Net"], data=data, global_batch=1000))
+    with pytest.raises(LabConfigError, match=r"global_batch=1000 is more samples than your data set has \(40\)"):
         check_run(inspection, resolve(4, **settings))
     settings, inspection = split_settings(dict(model=notebook["Net"], data=data))
     check_run(inspection, resolve(4, **settings))  # the default batch, 32, fits
+
+
+def test_ipythons_own_open_is_never_sent_the_ranks_builtins_stand_in_its_place(notebook, monkeypatch):
+    # A notebook's namespace holds IPython's own open (and exit, quit, In, Out...), kept in user_ns_hidden; a loss
+    # that calls open() must not try to send it (it cannot travel): on the ranks, open is the rank's builtin.
+    from IPython.core.interactiveshell import _modified_open  # the open IPython puts in every notebook
+
+    class Shell:
+        user_ns_hidden = {"open": _modified_open}
+
+    monkeypatch.setattr("IPython.get_ipython", lambda: Shell())
+    main = sys.modules["__main__"]
+    monkeypatch.setattr(main, "open", _modified_open, raising=False)
+    monkeypatch.setattr(main, "reads_a_file", None, raising=False)  # defined below; gone after the test
+    source = "def reads_a_file(output, batch):\n    open\n    return output.sum()\n"
+    exec(compile(source, "<ipython-input-open>", "exec"), vars(main))
+    own, _ = pack_own(notebook["Net"], data=notebook["make_batch"], loss=vars(main)["reads_a_file"])
+    assert "open" not in dict(own.travelled)
+    exec(compile("def open(*args):\n    return None\n", "<ipython-input-own-open>", "exec"), vars(main))
+    # The user's own open (defined in a cell) is theirs: it travels.
+    own, _ = pack_own(notebook["Net"], data=notebook["make_batch"], loss=vars(main)["reads_a_file"])
+    assert dict(own.travelled)["open"] == "by source"

@@ -164,3 +164,16 @@ def test_the_push_magic_reads_names_and_ranks():
     options = push_parser().parse_args(["helper", "np", "--ranks", "0,1"])
     assert options.names == ["helper", "np"] and options.ranks == [0, 1]
     assert push_parser().format_help().splitlines()[0].startswith("%lab push NAME ... [options]: put the notebook's")
+
+
+def test_dunder_names_and_values_over_a_builtin_are_refused_saying_why():
+    # lab.push({"__builtins__": {}}) or lab.push(print=None) would break every later call on the ranks.
+    with pytest.raises(LabConfigError) as refused:
+        pack({"__builtins__": {}, "__name__": "x", "print": None, "len": 3, "fine": 1})
+    said = str(refused.value)
+    assert "__builtins__ is one of Python's own names (a dunder name)" in said and "__name__ is one of" in said
+    assert "print is Python's builtin print(): a NoneType in its place would break every later use" in said
+    assert "len is Python's builtin len(): a int" in said and "e.g. lab.push(my_len=...)" in said
+    assert "fine" not in said
+    assert check_name("print", lambda *args: None) is None  # a function in a builtin's place: a deliberate one
+    assert check_name("input", 3, shadows_builtins=True) is None  # a name a notebook function reads, as it reads it

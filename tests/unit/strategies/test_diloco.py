@@ -35,7 +35,7 @@ def test_settings_defaults_meshes_and_magic_options():
         (dict(strategy="diloco", outer_momentum=1), r"outer_momentum \(diloco\) must be below 1, got 1"),
         (dict(strategy="diloco", outer_momentum=-0.1), r"outer_momentum \(diloco\) is at least 0"),
         (dict(strategy="diloco", outer_lr=-1), r"outer_lr \(diloco\) is a positive number, got -1"),
-        (dict(strategy="diloco", outer_lr=float("nan")), r"outer_lr \(diloco\) is a number"),
+        (dict(strategy="diloco", outer_lr=float("nan")), r"outer_lr \(diloco\) is a finite number"),
         (dict(strategy="ddp", inner_steps=5), "inner_steps is a setting of diloco"),
         (dict(strategy="diloco", global_batch=30), "split evenly into 4 data-parallel replicas"),
         (dict(strategy="diloco+ddp", mesh=dict(dp=2, tp=2)), "uses mesh axes replica, dp"),
