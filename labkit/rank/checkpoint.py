@@ -7,7 +7,8 @@ another number of ranks or another sharding and DCP reshards it; the step (which
 is also the data position); every rank's random state; what a strategy keeps of
 its own (``ParallelModel.extra_state``: DiLoCo's global copy, outer momentum and
 each replica's place in its round); and, from rank 0, a ``labkit.json`` with the
-run's settings, written last.
+run's settings and every other file's size and SHA-256 (``checkpoint_sums``: each
+rank hashes what it wrote), written last.
 
 Atomic: every rank writes into a ``.partial-*`` folder beside the target; once all
 have written, rank 0 writes ``labkit.json`` and puts the folder in place
@@ -29,6 +30,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from labkit.spec.checkpoint_files import META_FILE, save_refusal, tidy
+from labkit.spec.checkpoint_sums import own_records, unrecorded
 from labkit.rank.checkpoint_swap import put_in_place
 from labkit.rank.state import TrainState, restore_random_state
 from labkit.spec.errors import LabConfigError
@@ -37,6 +39,15 @@ from labkit.spec.errors import LabConfigError
 def _first_line(error: BaseException) -> str:
     lines = [line for line in str(error).splitlines() if line.strip()]
     return f"{type(error).__name__}: {lines[0] if lines else ''}"
+
+
+def _interrupted(error: BaseException) -> bool:
+    """An interrupt, or DCP's wrapping of one (it gathers every rank's failure into a CheckpointException)."""
+    if isinstance(error, KeyboardInterrupt):
+        return True
+    failures = getattr(error, "failures", None)
+    return isinstance(failures, dict) and any(isinstance(failure[0], KeyboardInterrupt)
+                                              for failure in failures.values() if isinstance(failure, tuple))
 
 
 def _rng_file(directory: str, rank: int) -> str:
@@ -77,13 +88,24 @@ def save(state: TrainState, target: str, partial: str, meta: dict) -> str:
         tidy(target)  # what a save to this path cut short left beside it
     dist.barrier()
     state.pause()  # the random state as of now, saved below
-    dcp.save(_app_state(state), checkpoint_id=partial)
-    torch.save(state.rng, _rng_file(partial, rank))
-    dist.barrier()  # everyone has written
+    try:
+        dcp.save(_app_state(state), checkpoint_id=partial)
+        torch.save(state.rng, _rng_file(partial, rank))
+        # Each rank hashes what it wrote, all at once; gathering the records is also "everyone has written".
+        mine = own_records(partial, rank)
+        gathered: list = [None] * dist.get_world_size() if rank == 0 else []
+        dist.gather_object(mine, gathered if rank == 0 else None, dst=0)
+    except BaseException as error:  # DCP wraps an interrupt in CheckpointException, a BaseException
+        if _interrupted(error):
+            raise KeyboardInterrupt(f"the save was cut while the ranks wrote {partial}") from None
+        raise
     if rank == 0:
+        files = {name: record for records in gathered for name, record in records.items()}
+        files.update(unrecorded(partial, files))
         written = os.path.join(partial, META_FILE + ".tmp")
         with open(written, "w") as handle:
-            json.dump({**meta, "step": state.step, "world_size": dist.get_world_size()}, handle, indent=1)
+            json.dump({**meta, "step": state.step, "world_size": dist.get_world_size(), "files": files}, handle,
+                      indent=1)
         os.replace(written, os.path.join(partial, META_FILE))  # whole or absent, never cut short
         put_in_place(partial, target)
     dist.barrier()  # nobody returns before the checkpoint is in place

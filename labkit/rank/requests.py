@@ -101,6 +101,11 @@ class RankRequests:
 
         return runtime.call(save, (), {}, None, timeout_seconds)
 
+    def checkpoint_mismatches(self, directory: str, shares: dict) -> list:
+        from labkit.spec.checkpoint_sums import mismatches
+
+        return mismatches(directory, shares.get(self.runtime.rank, {}))
+
     def load_checkpoint(self, config: TrainConfig, directory: str, step: int, same_world: bool,
                         timeout_seconds: float) -> dict:
         runtime = self.runtime

@@ -8,9 +8,12 @@ settings, written last). A directory of checkpoints (``checkpoint_dir``, one
 
 A save writes only where nothing of the user's is lost: a new path, an empty folder,
 or a checkpoint labkit wrote, which it replaces (``spec.checkpoint_files`` says
-which paths, and why others are refused). A load first checks that the checkpoint's
-files are whole (``checkpoint_check``), so a damaged one is refused by name before
-the ranks drop what they hold.
+which paths, and why others are refused). A save that does not complete (Ctrl-C, a
+rank lost, the limit) says first what the path holds now (``save_outcome``). A load
+first checks that the checkpoint's files are whole (``checkpoint_check``:
+labkit.json's fields, every file's size, and every file's checksum, hashed by the
+ranks at once), so a damaged one is refused by name before the ranks drop what
+they hold.
 
 Loading builds the model the checkpoint holds, under the lab's ranks and the
 strategy asked for (by default the saved one), and DCP reshards it: saved on 4
@@ -25,11 +28,12 @@ import glob
 import os
 from typing import TYPE_CHECKING
 
-from labkit.runs.checkpoint_check import check_files, read_meta
+from labkit.runs.checkpoint_check import check_files, check_sums, read_meta
 from labkit.runs.own_model import check_run, split_settings
 from labkit.spec.checkpoint_files import META_FILE, is_checkpoint_file, is_complete, partial_directory, recoverable, \
     save_refusal
-from labkit.spec.errors import LabBusy, LabConfigError
+from labkit.runs.save_outcome import record_at, save_failure
+from labkit.spec.errors import LabBusy, LabConfigError, RankFailure
 from labkit.spec.own_model import OwnModel
 from labkit.spec.train_config import TrainConfig, checkpoint_settings, identity_differences, resolve
 from labkit.strategies.catalog import checkpoint_refusal
@@ -89,7 +93,11 @@ def save(session: Session, path: str, timeout: float) -> str:
         raise LabConfigError(f"cannot make the folder {os.path.dirname(target)} ({error.strerror}): "
                              "give another path") from None
     meta = checkpoint_settings(record.config)
-    session.execute(None, entry.save_checkpoint, (target, partial_directory(target), meta), timeout)
+    before = record_at(target)
+    try:
+        session.execute(None, entry.save_checkpoint, (target, partial_directory(target), meta), timeout)
+    except RankFailure as failure:  # Ctrl-C, a rank lost, the limit: say first what the path holds now
+        raise save_failure(failure, target, before) from None
     return target
 
 
@@ -118,6 +126,17 @@ def _normalised(settings: dict) -> dict:
                                            for key, value in model_settings.items()}}
 
 
+def carried_settings(saved: dict, overrides: dict) -> dict:
+    """The saved settings a load resolves with ``overrides``: all of them under the saved strategy; under
+    another, only the general ones (the old strategy's own are not the new one's), and not micro_batches:
+    as saved it is the old strategy's (its default, when not given), so it defaults as ``lab.train``
+    defaults it (pp: one per stage) unless given again."""
+    if overrides.get("strategy", saved["strategy"]) == saved["strategy"]:
+        return saved
+    return {key: value for key, value in saved.items()
+            if key in TrainConfig.__dataclass_fields__ and key != "micro_batches"}
+
+
 def load(session: Session, path: str, timeout: float, mesh: dict | None = None, say: bool = True,
          **overrides) -> TrainConfig:
     """Load the checkpoint at ``path`` into the ranks (resharded to them); return the run's config.
@@ -141,8 +160,7 @@ def load(session: Session, path: str, timeout: float, mesh: dict | None = None, 
         raise LabConfigError(f"the checkpoint {directory} holds another model: {'; '.join(differences)}. "
                              "Load it as it was saved, or train the other model afresh")
     same_world = meta["world_size"] == session.world_size
-    if "strategy" in overrides and overrides["strategy"] != saved["strategy"]:
-        saved = {key: value for key, value in saved.items() if key in TrainConfig.__dataclass_fields__}
+    saved = carried_settings(saved, overrides)
     if mesh is None and same_world and overrides.get("strategy", saved["strategy"]) == saved["strategy"]:
         mesh = meta.get("mesh") or None
     try:
@@ -155,7 +173,10 @@ def load(session: Session, path: str, timeout: float, mesh: dict | None = None, 
         raise LabConfigError(f"cannot load into {config.strategy}: {checkpoint_refusal(config.parts)}")
     if inspection is not None:
         check_run(inspection, config)
-    session.ready()
+    cluster = session.ready()
+    ranks = range(session.world_size)
+    check_sums(directory, meta, session.world_size,
+               lambda shares: cluster.call(ranks, entry.checkpoint_mismatches, (directory, shares), timeout))
     session.execute(None, entry.load_checkpoint,
                     (config, directory, meta["step"], same_world), timeout)
     session.remember_training(config, meta["step"])

@@ -25,7 +25,8 @@ from labkit.spec.mesh import MeshSpec
 from labkit.spec.mesh_choice import GIVEN, even_splits, mesh_candidates
 from labkit.spec.own_model import OwnModel
 from labkit.spec.train_checks import OPTIMIZERS, PRECISIONS, BatchSplitError, check_config
-from labkit.strategies.catalog import DATA_AXES, Setting, axes_of, parse_strategy, settings_by_name, strategy
+from labkit.strategies.catalog import (DATA_AXES, Setting, SettingValueError, axes_of, parse_strategy, settings_by_name,
+                                       strategy)
 from labkit.units import parse_bytes
 from labkit.zoo.catalog import model
 from labkit.zoo.plugins import PluginError
@@ -214,8 +215,9 @@ def resolve(world_size: int, mesh: dict | None = None, lab_mesh: MeshSpec | None
     """
     try:
         return _resolve(world_size, mesh, lab_mesh, **settings)
-    except (BatchSplitError, PluginError):
-        raise  # a batch the user gave names the nearest batches that split; an unknown name fits no lab
+    except (BatchSplitError, PluginError, SettingValueError):
+        raise  # a batch the user gave names the nearest batches that split; an unknown name fits no lab; a
+        # setting's value says what to pass
     except ValueError as error:
         if mesh or isinstance(world_size, bool) or not isinstance(world_size, int):
             raise  # a mesh given fixes the number of ranks: its own message says what to change

@@ -48,6 +48,11 @@ DATA_AXES = ("replica", "dp")  # the global batch is split over these (unless a 
 T = TypeVar("T")
 
 
+class SettingValueError(ValueError):
+    """A setting's value refused whatever the lab's size: the message says what to pass instead (so no
+    other number of ranks is suggested for it)."""
+
+
 @dataclass(frozen=True)
 class Setting(Generic[T]):
     """One setting a strategy adds to ``lab.train`` (and to ``%lab train`` as ``flag``).

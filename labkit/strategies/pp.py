@@ -35,7 +35,7 @@ from __future__ import annotations
 import contextlib
 from typing import TYPE_CHECKING, Any, Callable
 
-from labkit.strategies.catalog import Setting, Strategy
+from labkit.strategies.catalog import Setting, SettingValueError, Strategy
 from labkit.zoo.model_protocol import ChecksStages, SplitsIntoStages, SplitsByTracing
 
 if TYPE_CHECKING:
@@ -56,8 +56,12 @@ def check(config: TrainConfig) -> None:
     settings = config.model_config
     if isinstance(settings, ChecksStages):
         settings.check_stages(stages)
-    if config.setting(SCHEDULE) == "1f1b" and (config.micro_batches or 1) < stages:
-        raise ValueError(f"1F1B needs at least as many microbatches as stages: micro_batches >= {stages}")
+    micro_batches = config.micro_batches or 1
+    if config.setting(SCHEDULE) == "1f1b" and micro_batches < stages:
+        raise SettingValueError(
+            f"1F1B needs at least as many microbatches as stages: micro_batches={micro_batches} is fewer than the "
+            f"{stages} stages; pass micro_batches={stages} or more (left out, it is the number of stages), or "
+            "schedule='gpipe'")
 
 
 def one_microbatch_per_stage(config: TrainConfig) -> dict[str, int]:

@@ -195,6 +195,11 @@ def save_checkpoint(target: str, partial: str, meta: dict, timeout_seconds: floa
     return this_rank().requests.save_checkpoint(target, partial, meta, timeout_seconds)
 
 
+def checkpoint_mismatches(directory: str, shares: dict) -> list:
+    """Hash this rank's share of the checkpoint's files (``shares``: by rank); those whose bytes changed."""
+    return this_rank().requests.checkpoint_mismatches(directory, shares)
+
+
 def load_checkpoint(config, directory: str, step: int, same_world: bool, timeout_seconds: float) -> dict:
     """Build the training state for ``config`` and fill it from the checkpoint in ``directory``."""
     return this_rank().requests.load_checkpoint(config, directory, step, same_world, timeout_seconds)

@@ -86,13 +86,54 @@ def test_a_save_cut_short_leaves_the_previous_checkpoint(lab, tmp_path):
             checkpoint.dcp.save = save_then_die
 
     lab.run(die_while_saving)
-    with pytest.raises(RankFailure, match="rank 1 died"):
+    with pytest.raises(RankFailure, match=r"the save to .*ckpt did not complete: the checkpoint there \(step 2\) is "
+                                          r"intact, and nothing half-written is left; .*rank 1 died"):
         lab.save(path)
-    assert any(name.startswith(".partial-") for name in os.listdir(tmp_path))
-    lab.load(path)  # the old one, whole; the partial one ignored
+    assert os.listdir(tmp_path) == ["ckpt"]  # what the cut save wrote is gone
+    lab.load(path)  # the old one, whole
     assert all(same(before, got) and step == 2 for got, step in lab.run(whole_parameters))
-    lab.save(path)  # and the next save removes what the cut one left
+    lab.save(path)
     assert os.listdir(tmp_path) == ["ckpt"]
+
+
+def _slow_down_the_next_write():
+    """On this rank: the next DCP write waits 3 s first (inside DCP, where an interrupt lands in a real save)."""
+    import time as _time
+
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    real = FileSystemWriter.write_data
+
+    def write_data(self, plan, planner):
+        FileSystemWriter.write_data = real  # once
+        _time.sleep(3)
+        return real(self, plan, planner)
+
+    FileSystemWriter.write_data = write_data
+
+
+def test_ctrl_c_during_a_save_says_the_save_was_cut_and_the_old_checkpoint_is_intact(lab, tmp_path):
+    import _thread
+    import threading
+
+    from labkit.runs.save_outcome import SaveInterrupted
+
+    lab.train("ddp", "mlp", steps=2, log_every=100)
+    path = lab.save(str(tmp_path / "ckpt"))
+    before = lab.run(whole_parameters)[0][0]
+    lab.train(steps=2, resume=True, log_every=100)
+    lab.run(_slow_down_the_next_write)
+    threading.Timer(1.0, _thread.interrupt_main).start()  # the notebook's stop button, mid-write
+    with pytest.raises(KeyboardInterrupt) as cut:
+        lab.save(path)
+    said = str(cut.value)
+    assert isinstance(cut.value, SaveInterrupted), said
+    assert said.startswith(f"the save to {path} was cut by the interrupt: the checkpoint there (step 2) is intact, "
+                           "and nothing half-written is left; ranks 0, 1, 2, 3 interrupted"), said
+    assert "CheckpointException" not in said
+    assert os.listdir(tmp_path) == ["ckpt"]
+    lab.load(path)
+    assert all(same(before, got) and step == 2 for got, step in lab.run(whole_parameters))
 
 
 def _after_first_checkpoint(directory, run) -> None:
@@ -308,6 +349,53 @@ def test_a_damaged_checkpoint_is_refused_naming_the_file_and_the_checkpoints_to_
         lab.load(str(meta))
     lab.load(str(run / "step-00000002"))  # the older one, whole
     assert [step for _, step in lab.run(whole_parameters)] == [2] * 4
+
+
+def _flip_64_bytes_in_the_middle(path) -> None:
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2
+    data[middle:middle + 64] = bytes(255 - byte for byte in data[middle:middle + 64])
+    path.write_bytes(bytes(data))  # the same size: only a checksum tells
+
+
+def test_flipped_bytes_in_a_shard_are_named_with_the_rank_that_wrote_it_and_nothing_is_loaded(lab, tmp_path, capsys):
+    import json
+
+    lab.train("fsdp", "mlp", steps=2, log_every=100)
+    path = lab.save(str(tmp_path / "ckpt"))
+    lab.train(steps=2, resume=True, log_every=100)
+    held = lab.run(whole_parameters)
+    shard = tmp_path / "ckpt" / "__2_0.distcp"
+    whole = shard.read_bytes()
+    _flip_64_bytes_in_the_middle(shard)
+    with pytest.raises(LabConfigError, match=r"ckpt/__2_0.distcp \(written by rank 2\) does not match its checksum "
+                                             r"\(sha256 .*its bytes changed since the save: the checkpoint .* is "
+                                             r"damaged, so nothing was loaded"):
+        lab.load(path)
+    assert all(same(held[0][0], got) and step == 4 for got, step in lab.run(whole_parameters))  # unchanged
+    shard.write_bytes(whole)
+    meta = tmp_path / "ckpt" / "labkit.json"
+    record = json.loads(meta.read_text())
+    meta.write_text(json.dumps({**record, "step": -5}))
+    with pytest.raises(LabConfigError, match=r"ckpt/labkit.json has step -5, which no save writes .*nothing was "
+                                             r"loaded"):
+        lab.load(path)
+    assert all(same(held[0][0], got) and step == 4 for got, step in lab.run(whole_parameters))
+    del record["files"]  # as a save before checksums wrote it
+    meta.write_text(json.dumps(record))
+    capsys.readouterr()
+    lab.load(path)
+    assert capsys.readouterr().out.count("saved without checksums") == 1
+    assert [step for _, step in lab.run(whole_parameters)] == [2] * 4
+
+
+def test_an_fsdp_checkpoint_loads_under_pp_with_a_microbatch_per_stage(lab, tmp_path):
+    lab.train("fsdp", "gpt", steps=1, log_every=100)
+    path = lab.save(str(tmp_path / "fsdp"))
+    config = lab.load(path, strategy="pp")
+    assert config.strategy == "pp" and config.micro_batches == 4 and config.mesh.describe() == "pp=4"
+    with pytest.raises(LabConfigError, match=r"pass micro_batches=4 or more .*schedule='gpipe'"):
+        lab.load(path, strategy="pp", micro_batches=2)
 
 
 # -- while a run trains, and what a run keeps -----------------------------------------------------------------------

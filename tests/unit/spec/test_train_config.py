@@ -25,7 +25,7 @@ def test_strategies_and_their_axes():
         (dict(strategy="fsdp+tp", mesh=dict(dp=3, tp=2)), "must multiply to 4"),
         (dict(strategy="ddp", global_batch=30), "split evenly into 4 data-parallel replicas"),
         (dict(strategy="ddp", steps=0), "steps must be a positive integer"),
-        (dict(strategy="pp", micro_batches=2), "micro_batches >= 4"),
+        (dict(strategy="pp", micro_batches=2), "micro_batches=2 is fewer than the 4 stages"),
         (dict(strategy="pp", model="gpt", model_settings=dict(layers=2), micro_batches=4), "at least 4 layers"),
         (dict(strategy="tp", model="gpt", model_settings=dict(heads=2, dim=32)), "divide the number of attention heads"),
         (dict(strategy="tp", model="gpt", sequence_parallel=True, model_settings=dict(seq=30)), "sequence length"),
@@ -45,6 +45,14 @@ def test_strategies_and_their_axes():
 def test_bad_requests_are_refused_with_a_reason(settings, message):
     with pytest.raises(ValueError, match=message):
         resolve(4, **settings)
+
+
+def test_too_few_microbatches_for_1f1b_say_what_to_pass_not_another_lab_size():
+    with pytest.raises(ValueError) as refused:
+        resolve(4, strategy="pp", model="gpt", micro_batches=1)
+    said = str(refused.value)
+    assert "pass micro_batches=4 or more (left out, it is the number of stages), or schedule='gpipe'" in said
+    assert "run on a lab of" not in said
 
 
 def test_defaults_that_run():
