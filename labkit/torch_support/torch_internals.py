@@ -69,8 +69,6 @@ def missing_internals() -> list[str]:
             lambda: torch.autograd.Variable._execution_engine.queue_callback,
         "distributed.tensor._utils.compute_local_shape_and_global_offset":
             lambda: import_module("torch.distributed.tensor._utils").compute_local_shape_and_global_offset,
-        "distributed.fsdp.FSDPModule._get_fsdp_state": lambda: import_module("torch.distributed.fsdp")
-            .FSDPModule._get_fsdp_state,
     }
     missing = []
     for name, look_up in checks.items():
@@ -400,26 +398,3 @@ def at_end_of_backward(callback) -> None:
     """Run ``callback`` when the current backward pass finishes (called from inside backward)."""
     torch.autograd.Variable._execution_engine.queue_callback(callback)
 
-
-
-def data_parallel_size(module) -> int | None:
-    """Over how many ranks a data-parallel module (DDP, FSDP, ``fully_shard``) splits its data: the size of
-    the group (or the FSDP2 mesh, all of its dimensions) it averages gradients over; None when unknown."""
-    group = getattr(module, "process_group", None)  # DDP and FSDP1 keep theirs, public
-    if group is not None:
-        return group.size()
-    from torch.distributed.fsdp import FSDPModule
-
-    # FSDP2 keeps its mesh in each module's parameter groups (one list of them, or one, by torch release); a
-    # root that holds no parameter of its own has none, so its first sharded descendant's is taken.
-    for part in module.modules():
-        if not isinstance(part, FSDPModule):
-            continue
-        state = part._get_fsdp_state()
-        groups = getattr(state, "_fsdp_param_groups", None)
-        if groups is None:
-            single = getattr(state, "_fsdp_param_group", None)
-            groups = [single] if single is not None else []
-        for param_group in groups:
-            return param_group.mesh_info.mesh.size()
-    return None
