@@ -26,6 +26,7 @@ _EXPORTS = {
     "RankInterrupted": "labkit.spec.errors",
     "LabNotRunning": "labkit.spec.errors",
     "LabBusy": "labkit.spec.errors",
+    "NonFiniteLoss": "labkit.views.nonfinite_report",
     "TrainingRun": "labkit.runs.training_run",
     "TrainReport": "labkit.views.train_report",
     "this_rank": "labkit.wire.entry",

@@ -292,7 +292,9 @@ class Lab(LabSites, LabWindow):
         settings: global_batch, micro_batches, lr, optimizer ('adamw' or 'sgd'), seed, each strategy's own
         (bucket_cap_mb, reshard_after_forward, sequence_parallel, schedule, ...), max_memory (e.g. '64MB' per rank),
         verify (compare with single-process training), log_every, instruments, precision ('fp32' or 'bf16'), tf32,
-        peak_tflops, checkpoint_every, checkpoint_dir, auto_heal. Everything is checked before any rank works.
+        peak_tflops, checkpoint_every, checkpoint_dir, auto_heal, on_nonfinite (a NaN or infinite loss: 'stop' the
+        run before that step's update, the default; 'skip' that step's update; 'continue' with a warning).
+        Everything is checked before any rank works.
         sites ("all" or names): DiLoCo fused across sites, each one replica (inner="ddp" or "fsdp" inside it),
         the outer sync through the hub (wire="bf16" or "fp32", quorum, round_timeout); a ``SitesReport``.
         """

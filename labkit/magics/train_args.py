@@ -12,6 +12,7 @@ import difflib
 
 from labkit.magics.parsing import CommandParser, command_parser
 from labkit.magics.values import name_values, seconds
+from labkit.spec.train_checks import ON_NONFINITE
 from labkit.strategies.catalog import settings_by_name, strategy_names, strategy_notes
 from labkit.zoo.catalog import model_names, model_notes
 
@@ -46,6 +47,9 @@ def train_parser() -> CommandParser:
     train.add_argument("--max-memory", metavar="SIZE",
                        help="per-rank budget for params + grads + optimizer state, e.g. 64MB")
     train.add_argument("--verify", action="store_true", help="compare with single-process training")
+    train.add_argument("--on-nonfinite", choices=ON_NONFINITE,
+                       help="a step whose loss is NaN or infinite: stop the run (default), skip its update, "
+                            "or continue")
     train.add_argument("--precision", choices=("fp32", "bf16"),
                        help="bf16: autocast (FSDP: its mixed-precision policy); fp32 keeps the equivalence proof")
     train.add_argument("--tf32", action="store_true", help="TensorFloat-32 matrix products on NVIDIA GPUs")

@@ -7,6 +7,10 @@ for each step take this rank's slice of the step's global batch, run forward and
 backward, and let the optimizer update what this rank holds. Nothing in the loop
 knows which strategy it runs; the ``ParallelModel`` does.
 
+Between backward and the update the ranks agree whether every loss was finite
+(``nonfinite``): a NaN or infinite loss stops the run before that step's update,
+or skips it, as ``on_nonfinite`` says.
+
 With ``verify``, every rank then retrains the model in plain single-process
 PyTorch and compares (``verify.compare_with_reference``).
 
@@ -31,6 +35,7 @@ from labkit.rank.instruments.run_instruments import instruments_for
 from labkit.rank.instruments.step_timer import StepTimer
 from labkit.rank.lab_traffic import control_tensor
 from labkit.rank.memory import estimated_bytes, local_bytes, memory_bytes
+from labkit.rank.nonfinite import NonFiniteGuard
 from labkit.rank.own_model import trainable_for
 from labkit.rank.periodic_checkpoints import PeriodicCheckpoints
 from labkit.rank.state import state_for
@@ -170,6 +175,7 @@ def _train(config: TrainConfig, runtime: RankContext) -> RankResult:
     saved: list[str] = []  # checkpoints this run wrote
     staging = batch_staging(device)  # one per run: its buffers are reused by every step
     checkpoints = PeriodicCheckpoints(config) if config.checkpoint_every else None
+    guard = NonFiniteGuard(config.on_nonfinite, parallel.lockstep, recorder)
     for step in range(config.steps):  # this run's steps; the data position is the state's
         if instruments.stop_agreed(step) or (parallel.finished is not None and parallel.finished()):
             break
@@ -183,9 +189,14 @@ def _train(config: TrainConfig, runtime: RankContext) -> RankResult:
         delay = instruments.begin_step(state.step)  # rows count steps from the run's start, across continuations
         optimizer.zero_grad(set_to_none=True)
         loss = parallel.forward_backward(batch)
-        state.updating = True
-        parallel.optimizer_step(optimizer)
-        state.updating = False
+        if guard.check(state.step + 1, loss) is None:
+            state.updating = True
+            parallel.optimizer_step(optimizer)
+            state.updating = False
+        elif guard.stops:  # every rank stops here: the model and optimizer stay as the last finite step left them
+            optimizer.zero_grad(set_to_none=True)
+            timer.abandon()
+            break
         state.finish_step()
         timer.end()
         instruments.end_step(samples, tokens, loss, delay)
@@ -210,6 +221,7 @@ def _train(config: TrainConfig, runtime: RankContext) -> RankResult:
         "timeline": instruments.timeline(),
         "device_name": device_name(device),
         "checkpoints": saved,
+        "nonfinite": guard.found,
         "strategy_results": dict(parallel.strategy_results),
     }
     if config.verify:

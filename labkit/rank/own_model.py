@@ -37,7 +37,7 @@ def trainable_for(config: TrainConfig, context: RankContext) -> Trainable:
         context.own_built = built
     parts = built[1]
     return OwnTrainable(own.name, parts[MODEL], parts[DATA], parts[LOSS], config.seed, parts[OPTIONS],
-                        tokens=own.tokens_per_sample, meta=own.meta_build)
+                        tokens=own.tokens_per_sample, meta=own.meta_build, loss_name=own.loss_name)
 
 
 def _build(items: tuple[dict, ...], namespace: dict | None) -> dict:

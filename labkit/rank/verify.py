@@ -108,11 +108,20 @@ def compare_with_reference(config: TrainConfig, parallel, device, steps: int, tr
     # about that on every parameter, which is noise for a one-off comparison.
     logging.getLogger(DTENSOR_REDISTRIBUTE_LOGGER).setLevel(logging.ERROR)
     worst_difference, worst_name, worst_elementwise, compared = 0.0, "", 0.0, 0
+    # NaN or infinity on either side makes every difference NaN, and NaN compares as nothing: counted and
+    # said instead, so a run whose parameters are NaN is never called equal.
+    nonfinite_run, nonfinite_reference, nonfinite_name = 0, 0, ""
     # What this rank holds of the reference, by its own parameters' names (a parameter server's shard).
     held = reference if parallel.reference_view is None else parallel.reference_view(reference)
     for name, parameter in parallel.named_parameters():
         whole = parameter.full_tensor() if isinstance(parameter, DTensor) else parameter.detach()
         expected = held[name]
+        run_finite, reference_finite = bool(whole.isfinite().all()), bool(expected.isfinite().all())
+        nonfinite_run += not run_finite
+        nonfinite_reference += not reference_finite
+        if not (run_finite and reference_finite):
+            nonfinite_name = nonfinite_name or name
+            continue
         difference = relative_difference(whole, expected)
         # The largest single element's error, relative to the tensor's largest
         # element, is reported too (larger under AdamW, see above).
@@ -126,10 +135,14 @@ def compare_with_reference(config: TrainConfig, parallel, device, steps: int, tr
     size = sum(float(initial[n].norm() ** 2) for n in reference) ** 0.5
     largest_update = moved / max(size, 1e-30)
     # Every rank compared its own share; the verdict is the worst over all ranks.
-    worst = control_tensor([worst_difference, largest_update, worst_elementwise, noise], dtype=torch.float64)
+    worst = control_tensor([worst_difference, largest_update, worst_elementwise, noise, nonfinite_run,
+                            nonfinite_reference], dtype=torch.float64)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     noise = float(worst[3])
     return {
+        "nonfinite_run": int(worst[4]),
+        "nonfinite_reference": int(worst[5]),
+        "nonfinite_parameter_here": nonfinite_name,
         "max_relative_difference": float(worst[0]),
         "model_moved": float(worst[1]),
         "max_elementwise_difference": float(worst[2]),

@@ -31,6 +31,7 @@ from labkit.spec.errors import LabError
 from labkit.spec.train_config import TrainConfig
 from labkit.strategies.catalog import role_of
 from labkit.views.metrics import DEFAULT_THRESHOLD, MetricsTable
+from labkit.views.nonfinite_report import NonFiniteLoss
 from labkit.views.rank_output import LiveOutput, in_kernel
 from labkit.views.train_report import TrainReport
 from labkit.wire import entry
@@ -171,8 +172,12 @@ class TrainingRun(StoppableRun):
                 results = [cast(RankResult, reports[rank]["value"]) for rank in range(self.session.world_size)]
                 for result in results:
                     self.table.merge_rows(result["rows"])
-                self.report = TrainReport(self.config, results, notes=tuple(self.heals))
-                self.session.remember_training(self.config, self.config.first_step + self.report.steps_done)
+                self.report = report = TrainReport(self.config, results, notes=tuple(self.heals))
+                self.session.remember_training(self.config, self.config.first_step + report.steps_done)
+                if report.stop_line is not None:  # stopped at a loss that was not finite: said as a failure
+                    self.error = NonFiniteLoss(report.stop_line, report if report.steps_done else None)
+                elif report.nonfinite_line is not None:
+                    print(f"labkit: {report.nonfinite_line}", flush=True)
         except BaseException as error:  # kept for wait(); a background thread has nobody else to tell
             self.error = error
         finally:

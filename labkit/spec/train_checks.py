@@ -19,6 +19,8 @@ if TYPE_CHECKING:
 
 OPTIMIZERS = {"adamw": 2, "sgd": 0}  # optimizer state tensors per parameter
 PRECISIONS = ("fp32", "bf16")
+# What a run does at a step whose loss is NaN or infinite (``rank.nonfinite``): the first is the default.
+ON_NONFINITE = ("stop", "skip", "continue")
 
 
 class BatchSplitError(ValueError):
@@ -56,6 +58,9 @@ def check_config(config: TrainConfig) -> None:
         raise ValueError(f"model_settings is a dict such as dict(dim=128, layers=8), got {config.model_settings!r}")
     if config.precision not in PRECISIONS:
         raise ValueError(f"unknown precision {config.precision!r}: choose {' or '.join(PRECISIONS)}")
+    if config.on_nonfinite not in ON_NONFINITE:
+        raise ValueError(f"on_nonfinite is one of {', '.join(map(repr, ON_NONFINITE))} (what a step whose loss is NaN "
+                         f"or infinite does), got {config.on_nonfinite!r}: e.g. on_nonfinite='skip'")
     if config.verify and (config.precision != "fp32" or config.tf32):
         raise ValueError(
             "the equivalence proof (verify=True) compares in strict float32: train with precision='fp32' and "

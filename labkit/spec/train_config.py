@@ -24,15 +24,15 @@ from typing import Any, Callable, TypeVar, overload
 from labkit.spec.mesh import MeshSpec
 from labkit.spec.mesh_choice import GIVEN, even_splits, mesh_candidates
 from labkit.spec.own_model import OwnModel
-from labkit.spec.train_checks import OPTIMIZERS, PRECISIONS, BatchSplitError, check_config
+from labkit.spec.train_checks import ON_NONFINITE, OPTIMIZERS, PRECISIONS, BatchSplitError, check_config
 from labkit.strategies.catalog import (DATA_AXES, Setting, SettingValueError, axes_of, parse_strategy, settings_by_name,
                                        strategy)
 from labkit.units import parse_bytes
 from labkit.zoo.catalog import model
 from labkit.zoo.plugins import PluginError
 
-__all__ = ["OPTIMIZERS", "PRECISIONS", "BatchSplitError", "TrainConfig", "checkpoint_settings", "even_splits",
-           "identity_differences", "parse_strategy", "resolve", "resume_differences", "user_settings"]
+__all__ = ["ON_NONFINITE", "OPTIMIZERS", "PRECISIONS", "BatchSplitError", "TrainConfig", "checkpoint_settings",
+           "even_splits", "identity_differences", "parse_strategy", "resolve", "resume_differences", "user_settings"]
 
 T = TypeVar("T")
 
@@ -51,6 +51,7 @@ class TrainConfig:
     seed: int = 0
     max_memory: int | None = None
     verify: bool = False
+    on_nonfinite: str = "stop"  # a NaN or infinite loss: "stop" the run, "skip" that step's update, or "continue"
     log_every: int = 10
     instruments: bool = True
     precision: str = "fp32"
@@ -143,8 +144,9 @@ def user_settings() -> set[str]:
 
 
 # What a continuation (``resume=True``) may change: how long it runs and how it reports.
-RESUME_MAY_CHANGE = ("steps", "log_every", "verify", "max_memory", "peak_tflops", "first_step", "mesh_reason",
-                     "batch_note", "checkpoint_every", "checkpoint_dir", "keep_checkpoints", "auto_heal", "max_restarts")
+RESUME_MAY_CHANGE = ("steps", "log_every", "verify", "on_nonfinite", "max_memory", "peak_tflops", "first_step",
+                     "mesh_reason", "batch_note", "checkpoint_every", "checkpoint_dir", "keep_checkpoints", "auto_heal",
+                     "max_restarts")
 # What makes a checkpoint another model: loading it under other values is refused.
 MODEL_IDENTITY = ("model", "model_settings", "own")
 
@@ -157,7 +159,7 @@ def checkpoint_settings(config: TrainConfig) -> dict:
     if own is not None:  # the model itself travels with each run; a checkpoint names what it must match
         settings["own"] = own.identity
     for name in ("checkpoint_every", "checkpoint_dir", "keep_checkpoints", "auto_heal", "max_restarts", "verify",
-                 "max_memory"):
+                 "max_memory", "on_nonfinite"):
         settings.pop(name, None)  # how that run was watched and kept, not what it trained
     return {"settings": settings, "mesh": dict(zip(config.mesh_names, config.mesh_shape))}
 

@@ -84,6 +84,7 @@ class ParallelModel:
         self.reference_view = composition.reference_view
         self.batch_position = composition.batch_position
         self.finished = composition.finished
+        self.lockstep = composition.lockstep
         self.autocast = autocast
         self.role = role
         self.backward_watch: Callable[[torch.Tensor], ContextManager[Any]] = lambda loss: contextlib.nullcontext()
@@ -199,6 +200,10 @@ class Composition:
         # before the run's steps (the hub has no share left). None: batch ``step``, this rank's data share.
         self.batch_position: Callable[[int], tuple[int, int, int, int]] | None = None
         self.finished: Callable[[], bool] | None = None
+        # Whether every rank stands at the same step between forward-backward and the update, where the ranks
+        # may agree on something (a loss that is not finite: ``rank.nonfinite``); False for a part whose ranks run
+        # ahead of each other by design (an asynchronous parameter server).
+        self.lockstep = True
 
     def uses(self, part: str) -> bool:
         return part in self.parts

@@ -144,6 +144,7 @@ def apply(composition: Composition, dp_mesh: DeviceMesh, config: TrainConfig) ->
     bounds = shard_bounds(sum(p.numel() for p in model.parameters()), servers)
     worker_group = subgroup(dp_mesh, range(servers, world))
     link = Link(dp_mesh.get_group(), composition.device)
+    composition.lockstep = not staleness  # asynchronous workers run ahead: no step where every rank stands
     if rank < servers:
         server = Server(rank, model, bounds, servers, workers, link, ServerSettings(config.lr, staleness),
                         composition.device, composition.strategy_results)

@@ -25,6 +25,7 @@ import torch
 import torch.nn as nn
 
 from labkit.torch_support import batches as batch_ops
+from labkit.torch_support.loss_check import checked_loss
 from labkit.torch_support.own_data import batch_share, batches_for
 from labkit.zoo.own_plan import ModulePlan, model_output
 
@@ -106,7 +107,7 @@ class DeclaredTrainable:
         return module(batch[0])
 
     def loss(self, output: Any, batch: Batch) -> torch.Tensor:
-        return self.declaration.loss(output, batch[1])
+        return checked_loss(self.declaration.loss(output, batch[1]), f"the loss of model {self.name!r}")
 
     def plan(self, module: nn.Module, example_rows: tuple[int, int] | None = None) -> object:
         return module
@@ -132,8 +133,9 @@ class OwnTrainable:
     """A user's model, data and loss, as each rank built them from what the notebook packed."""
 
     def __init__(self, name: str, factory: Callable[[], nn.Module], data: Any, loss: Loss | None, seed: int,
-                 options: dict, tokens: int | None = None, meta: bool = True) -> None:
+                 options: dict, tokens: int | None = None, meta: bool = True, loss_name: str = "") -> None:
         self.name = name
+        self.loss_name = loss_name or "the one given"  # how messages name it: its function's name
         self.meta = meta  # the notebook built it on the meta device
         self.factory, self.seed, self.options = factory, seed, options
         self._data = batches_for(data, seed)
@@ -157,7 +159,7 @@ class OwnTrainable:
         return batch_ops.call_model(module, batch)
 
     def loss(self, output: Any, batch: Batch) -> torch.Tensor:
-        return self._loss(output, batch)
+        return checked_loss(self._loss(output, batch), f"your loss function ({self.loss_name})")
 
     def plan(self, module: nn.Module, example_rows: tuple[int, int] | None = None) -> object:
         options = self.options

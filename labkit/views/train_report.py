@@ -17,8 +17,9 @@ from labkit.spec.device_peaks import math_kind, peak_tflops
 from labkit.spec.train_config import TrainConfig
 from labkit.units import format_bytes
 from labkit.views.metrics import StepNumber
-from labkit.wire.schema import EQUIVALENCE_TOLERANCE, NOISE_FACTOR, MemoryBytes, RankResult, StepRow, TimelineStep, \
-    Verdict, equivalence_bound
+from labkit.views.nonfinite_report import agreed_steps, seen_steps, stop_line, summary_line
+from labkit.wire.schema import EQUIVALENCE_TOLERANCE, NOISE_FACTOR, MemoryBytes, NonFiniteStep, RankResult, StepRow, \
+    TimelineStep, Verdict, equivalence_bound
 from labkit.wire.schema import total_bytes as _total
 from labkit.zoo.catalog import model
 
@@ -58,6 +59,30 @@ class TrainReport:
             if r["owns_loss"] and r["coordinate"].get("tp", 0) == 0 and (losses := r["losses"]) is not None
         ]
         return [statistics.fmean(losses[step] for losses in owners) for step in range(self.steps_done)]
+
+    @property
+    def stopped_at_nonfinite(self) -> NonFiniteStep | None:
+        """The step whose loss was not finite, where the run stopped (``on_nonfinite='stop'``); None if it did not."""
+        agreed = agreed_steps(self.results)
+        return agreed[-1] if agreed and self.config.on_nonfinite == "stop" else None
+
+    @property
+    def stop_line(self) -> str | None:
+        """The one line that says why the run stopped at a loss that was not finite (None: it did not)."""
+        step = self.stopped_at_nonfinite
+        if step is None:
+            return None
+        losses = self.losses
+        return stop_line(step, losses[-1] if losses else None, self.config.first_step + self.steps_done)
+
+    @property
+    def nonfinite_line(self) -> str | None:
+        """What the report says of steps whose loss was not finite and that did not stop the run."""
+        agreed = agreed_steps(self.results)
+        if self.stopped_at_nonfinite is not None:
+            return None
+        steps = agreed or seen_steps(self.results, self.config.first_step)
+        return summary_line(steps, self.config.on_nonfinite, bool(agreed))
 
     @property
     def step_seconds(self) -> list[float]:
@@ -168,7 +193,26 @@ class TrainReport:
     @property
     def equivalent(self) -> bool | None:
         difference, bound = self.max_relative_difference, self.equivalence_bound
-        return None if difference is None or bound is None else difference < bound
+        if difference is None or bound is None:
+            return None
+        return difference < bound and not self.nonfinite_verdict
+
+    @property
+    def nonfinite_verdict(self) -> str:
+        """Which side of the comparison holds NaN or infinity, in words ("": neither); the counts are the most
+        parameters on any one rank."""
+        verify = self.verify
+        if verify is None:
+            return ""
+        run, reference = verify.get("nonfinite_run", 0), verify.get("nonfinite_reference", 0)
+        if not run and not reference:
+            return ""
+        first = verify.get("nonfinite_parameter_here") or ""
+        run_side = (f"{run} of this run's parameters hold NaN or infinity" if run
+                    else "this run's parameters are all finite")
+        reference_side = (f"{reference} of the single-process reference's hold NaN or infinity" if reference
+                          else "the single-process reference's are all finite")
+        return f"{run_side}; {reference_side}" + (f" (rank 0's first: {first})" if first else "")
 
     def timeline(self, steps: int | None = 4):
         """A Gantt picture of the last ``steps`` steps on every rank (``export_trace`` for Perfetto)."""
@@ -238,7 +282,10 @@ class TrainReport:
                 f"memory budget {format_bytes(config.max_memory)} per rank: largest rank uses "
                 f"{format_bytes(self.max_memory_bytes)} ({verdict})"
             )
-        if self.verify is not None:
+        if self.verify is not None and self.nonfinite_verdict:
+            lines.append(f"against single-process training: NOT compared, no difference can be measured: "
+                         f"{self.nonfinite_verdict}")
+        elif self.verify is not None:
             verdict = "equal" if self.equivalent else "NOT equal"
             noise = self.verify.get("rounding_noise", 0.0)
             lines.append(
@@ -249,6 +296,8 @@ class TrainReport:
             )
         lines.extend(f"rank {r['rank']} ({r.get('role', 'trainer')}): {r['strategy_results']['summary']}"
                      for r in self.results if (r.get("strategy_results") or {}).get("summary"))
+        if self.nonfinite_line is not None:
+            lines.append(self.nonfinite_line)
         lines.extend(f"healed: {note}" for note in self.notes)
         return lines
 

@@ -54,8 +54,10 @@ class StepRow(TypedDict):
     exposed_comm: float  # seconds - compute: waiting for communication it could not overlap
     comm: dict  # collective kind -> seconds from issue to completion
     bytes: dict  # collective kind -> bytes sent
-    samples: int
-    tokens: Optional[int]
+    # This rank's samples and tokens, counted once per data-parallel replica: where tensor- or pipeline-parallel
+    # peers see the same batch, each counts its share of it, so summing over ranks gives the step's batch.
+    samples: float
+    tokens: Optional[float]
     loss: Optional[float]
     delay: float  # injected slowdown (lab.slow)
     cpu: NotRequired[float]  # CPU ranks: the main thread's CPU time alone (what straggler scores compare)
@@ -103,6 +105,19 @@ class Verdict(TypedDict):
     bound: float
     worst_parameter_here: str
     parameters_compared_here: int
+    # Parameters holding NaN or infinity, the most on any rank: the run's and the single-process reference's
+    # (compared numbers would say nothing then), and the first such parameter of this rank, by name.
+    nonfinite_run: NotRequired[int]
+    nonfinite_reference: NotRequired[int]
+    nonfinite_parameter_here: NotRequired[str]
+
+
+class NonFiniteStep(TypedDict):
+    """A step whose loss was NaN or infinite on some rank, as every rank agreed (``rank.nonfinite``)."""
+
+    step: int  # as the progress lines number it: 1 for a run's first step, counting on across continuations
+    ranks: list  # the ranks whose loss was not finite
+    values: list  # their losses, in the same order: 'nan', 'inf' or '-inf'
 
 
 class RankResult(TypedDict, total=False):
@@ -122,6 +137,7 @@ class RankResult(TypedDict, total=False):
     device_name: str
     checkpoints: list  # the checkpoint directories this run saved (checkpoint_every)
     verify: Verdict
+    nonfinite: list  # NonFiniteStep: steps stopped at or skipped (on_nonfinite), in order
     strategy_results: dict  # what the strategy measured ("staleness": per applied update; "summary": a line)
 
 

@@ -136,3 +136,33 @@ def wait_for(condition, what: str, seconds: float = 120.0) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"no {what} within {seconds:g} s")
         time.sleep(0.05)
+
+
+def test_under_fsdp_and_tp_a_replicas_batch_is_counted_once(lab):
+    # Both tensor-parallel ranks of a replica take the same 4 rows: 2 replicas make 8 samples a step, not 16.
+    code = """
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8))
+parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+fully_shard(model, mesh=mesh["dp"])
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+for step in range(4):
+    torch.manual_seed(100 * step + mesh["dp"].get_local_rank())
+    model(torch.randn(4, 16)).square().mean().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+"""
+    report = lab.run_cell(code, instruments=True)
+    assert report.steps_done == 4 and report.samples_per_step == 2 * 4
+    assert all(row["samples"] == 2 for rows in report.rows.values() for row in rows)  # a share of its replica's
+
+
+def test_a_watched_loop_without_an_optimizer_step_says_what_to_add(lab):
+    report = lab.run_cell("total = sum(range(10))", instruments=True)
+    assert report.steps_done == 0
+    assert any("no step was seen: no optimizer stepped and no labkit.step() marked one" in note and
+               "with labkit.step(samples=len(batch))" in note for note in report.notes)

@@ -303,7 +303,7 @@ class CudaStepRecorder:
             self._origin = (start, time.time())
         self._step = {"step": step, "rank": self.rank, "start": start, "regions": [], "collectives": []}
 
-    def end_step(self, samples: int, tokens: int | None, loss, delay: float = 0.0) -> None:
+    def end_step(self, samples: float, tokens: float | None, loss, delay: float = 0.0) -> None:
         step, self._step = self._step, None
         assert step is not None  # begin_step came first
         loss = self._loss_slots.copy(loss)  # before the end event: once that has passed, the copy has landed

@@ -14,7 +14,9 @@ code that calls none of the lab's methods. What it sees, and where:
 - **Samples and tokens.** From the batch given to the data-parallel module (the
   outermost DDP, FSDP or ``fully_shard`` module whose forward runs): its first
   tensor argument's rows, and its elements as tokens when it is 2-D integer
-  data, summed over the forwards of a step that track gradients. The module is
+  data, summed over the forwards of a step that track gradients; where tensor- or
+  pipeline-parallel peers take the same rows, each counts its share (``replica_copies``),
+  so ranks together count each replica's batch once. The module is
   found by a global forward hook during the first step only; afterwards only
   that module carries a hook. Without one, rows count steps alone (said once).
 - **Collectives.** Every group of the rank reports to the recorder while the
@@ -43,9 +45,12 @@ from labkit.rank.control import ControlChannel
 from labkit.rank.instruments.recorder import Publisher
 from labkit.rank.instruments.run_instruments import STOP_CHECK_EVERY, _agree_to_stop
 from labkit.rank.memory import memory_bytes
+from labkit.torch_support.fsdp_internals import data_parallel_size
 
 
 MEMORY_EVERY = 2.0  # seconds between two counts of what the loop holds, for the dashboard
+NO_STEP_NOTE = ("no step was seen: no optimizer stepped and no labkit.step() marked one; a loop that updates "
+                "its weights another way marks each step with `with labkit.step(samples=len(batch)):`")
 
 
 class StopRequested(KeyboardInterrupt):
@@ -64,6 +69,16 @@ def _data_parallel(module: torch.nn.Module) -> bool:
     except ImportError:  # pragma: no cover - every torch the lab supports has it
         return False
     return isinstance(module, FullyShardedDataParallel)
+
+
+def replica_copies(module: torch.nn.Module) -> int:
+    """How many ranks see the batch this rank's data-parallel ``module`` sees: the world over the ranks that
+    split the data (2 under fsdp x tp=2, where both tensor-parallel ranks take the same rows); 1 when unknown."""
+    import torch.distributed as dist
+
+    size = data_parallel_size(module)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    return world // size if size and world % size == 0 else 1
 
 
 def batch_size(args: tuple, kwargs: dict) -> tuple[int, int | None] | None:
@@ -92,6 +107,9 @@ class LoopWatch:
         self.explicit = False  # labkit.step() marks the steps: optimizer steps no longer do
         self.samples = 0
         self.tokens: int | None = None
+        # Ranks that see this rank's batch, itself included (its tensor- and pipeline-parallel peers): each
+        # counts its share, so the step's batch is counted once per data-parallel replica.
+        self.copies = 1
         self.loss: Any = None  # what labkit.log gave: a number, or a tensor read once its step has passed
         self.scalars: dict[str, float] = {}
         self.delay = 0.0
@@ -151,6 +169,8 @@ class LoopWatch:
         notes = list(self._notes)
         if self.module is None and self.steps_done:
             notes.append("no DDP or FSDP module ran a forward: steps are counted, samples are not")
+        if not self.steps_done:
+            notes.append(NO_STEP_NOTE)
         return {"rank": self.runtime.rank, "rows": list(self.recorder.rows), "timeline": list(self.recorder.timeline),
                 "memory": self.memory(), "steps_done": self.steps_done, "notes": notes,
                 "found": type(self.module).__name__ if self.module is not None else None, "stopped": self.stopped}
@@ -170,7 +190,9 @@ class LoopWatch:
         if self.step is None:
             return
         self._stop_looking()  # a data-parallel module runs its forward in the first step, or there is none
-        self.recorder.end_step(self.samples, self.tokens, self.loss, self.delay)
+        copies = self.copies
+        tokens = None if self.tokens is None else self.tokens / copies if copies > 1 else self.tokens
+        self.recorder.end_step(self.samples / copies if copies > 1 else self.samples, tokens, self.loss, self.delay)
         if self.scalars and self.recorder.rows:
             self.recorder.rows[-1]["scalars"] = dict(self.scalars)
         self.publisher.maybe_publish()
@@ -226,6 +248,7 @@ class LoopWatch:
     def _look_for_data_parallel(self, module, args) -> None:
         if self.module is None and _data_parallel(module):
             self.module = module
+            self.copies = replica_copies(module)
             self._hooks.append(module.register_forward_pre_hook(self._forward, with_kwargs=True))
             self._stop_looking()
             self._forward(module, args, {})

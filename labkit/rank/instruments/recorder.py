@@ -164,7 +164,9 @@ class StepRecorder:
     @contextlib.contextmanager
     def lab_traffic(self):
         """Within: collectives are the lab's own (a stop agreed between steps), not the loop's; their
-        completions, which land on gloo's thread a moment after the wait, are let in before it ends."""
+        completions, which land on gloo's thread a moment after the wait, are let in before it ends. Those of
+        the loop's own collectives still landing are let in first (an agreement inside a step, after backward)."""
+        self._settle()
         self.paused = True
         try:
             yield
@@ -183,7 +185,7 @@ class StepRecorder:
         self._samples.clear()
         self._samples.append((now, self._step[2]))
 
-    def end_step(self, samples: int, tokens: int | None, loss: float | None, delay: float = 0.0) -> StepRow:
+    def end_step(self, samples: float, tokens: float | None, loss: float | None, delay: float = 0.0) -> StepRow:
         assert self._step is not None  # begin_step came first
         step, began, busy_began = self._step
         ended, busy_ended = time.perf_counter(), self.clock.busy()

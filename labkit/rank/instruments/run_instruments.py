@@ -54,7 +54,7 @@ class RunInstruments:
         self.recorder.begin_step(step)
         return self.control.spend_delay()
 
-    def end_step(self, samples: int, tokens: int | None, loss, delay: float) -> None:
+    def end_step(self, samples: float, tokens: float | None, loss, delay: float) -> None:
         self.recorder.end_step(samples, tokens, loss, delay)
         self.publisher.maybe_publish()
 
@@ -79,7 +79,7 @@ class NoInstruments:
     def begin_step(self, step: int) -> float:
         return 0.0
 
-    def end_step(self, samples: int, tokens: int | None, loss, delay: float) -> None:
+    def end_step(self, samples: float, tokens: float | None, loss, delay: float) -> None:
         """Nothing is kept."""
 
     def finish(self) -> None:

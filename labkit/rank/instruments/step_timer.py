@@ -47,6 +47,13 @@ class StepTimer:
             return
         self._last_end = _cuda_event()
 
+    def abandon(self) -> None:
+        """The step begun last ends without being counted (a run stopped before its update)."""
+        if not self.cuda:
+            self._began = None
+        elif self._begins:
+            self._begins.pop()  # the current step's begin event: unread, so the last one in the queue
+
     def _read(self, wait: bool) -> None:
         """Turn every period whose closing begin event the device has passed into seconds."""
         while len(self._begins) >= 2 and (wait or self._begins[1].query()):

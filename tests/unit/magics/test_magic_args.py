@@ -122,3 +122,12 @@ def test_an_https_option_without_https_is_refused_saying_to_add_it():
 
     with pytest.raises(UsageError, match="--port is for a site that joins over HTTPS: add --https"):
         join_command_line(None, join_parser().parse_args(["--port", "9000"]))  # refused before the lab is asked
+
+
+def test_train_takes_what_a_nonfinite_loss_does_and_only_its_actions():
+    assert vars(train_parser().parse_args(["--on-nonfinite", "skip"])) == {"on_nonfinite": "skip"}
+    assert "on_nonfinite" not in vars(train_parser().parse_args([]))  # Lab.train's default applies
+    from IPython.core.error import UsageError
+
+    with pytest.raises(UsageError, match="unknown on nonfinite 'ignore'; choose stop, skip or continue"):
+        train_parser().parse_args(["--on-nonfinite", "ignore"])

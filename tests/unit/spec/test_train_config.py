@@ -104,3 +104,12 @@ def test_the_default_batch_is_rounded_and_says_so_a_given_one_is_refused_with_th
         resolve(5, strategy="pp")
     with pytest.raises(ValueError, match="tp=3 must divide.*run on a lab of 2 or 4 ranks"):
         resolve(3, strategy="tp")
+
+
+def test_on_nonfinite_is_one_of_its_actions_and_may_change_on_resume():
+    with pytest.raises(ValueError, match=r"on_nonfinite is one of 'stop', 'skip', 'continue' .*on_nonfinite='skip'"):
+        resolve(4, strategy="ddp", on_nonfinite="ignore")
+    assert resolve(4, strategy="ddp").on_nonfinite == "stop"
+    from labkit.spec.train_config import resume_differences
+
+    assert resume_differences(resolve(4, strategy="ddp"), resolve(4, strategy="ddp", on_nonfinite="skip")) == []

@@ -344,3 +344,63 @@ def test_a_run_without_instruments_has_no_timeline():
     report.results[2]["timeline"] = []
     with pytest.raises(ValueError, match="instruments=False"):
         report.timeline()
+
+
+@pytest.mark.parametrize("run, reference, said", [
+    (12, 0, "12 of this run's parameters hold NaN or infinity; the single-process reference's are all finite"),
+    (0, 3, "this run's parameters are all finite; 3 of the single-process reference's hold NaN or infinity"),
+    (12, 12, "12 of this run's parameters hold NaN or infinity; 12 of the single-process reference's hold NaN"),
+])
+def test_a_side_that_is_not_finite_is_never_called_equal_and_is_named(run, reference, said):
+    report = verified(0.0, float("nan"))  # what NaN parameters gave before: no difference found, "equal"
+    report.results[0]["verify"].update(nonfinite_run=run, nonfinite_reference=reference,
+                                       nonfinite_parameter_here="layers.0.weight")
+    assert report.equivalent is False
+    text = str(report)
+    assert "against single-process training: NOT compared, no difference can be measured: " + said in text
+    assert "(rank 0's first: layers.0.weight)" in text and "equal within" not in text
+
+
+# -- losses that are not finite (on_nonfinite) ------------------------------------------
+
+
+def nonfinite_report(action, agreed=(), losses_at=None, steps=6):
+    """A 4-rank fsdp report; ``agreed``: the steps the ranks agreed on; ``losses_at``: {rank: (step, value)}."""
+    config = resolve(4, strategy="fsdp", model="mlp", steps=6, global_batch=32, on_nonfinite=action)
+    results = []
+    for rank in range(4):
+        losses = replica_losses(rank)[:steps]
+        if losses_at and rank in losses_at:
+            step, value = losses_at[rank]
+            losses[step] = value
+        results.append(result(rank, {"dp": rank}, losses, steps=steps, nonfinite=list(agreed)))
+    return TrainReport(config, results)
+
+
+def test_a_run_stopped_at_a_nonfinite_loss_says_the_step_ranks_and_last_finite_loss_in_one_line():
+    report = nonfinite_report("stop", agreed=[{"step": 4, "ranks": [1, 3], "values": ["nan", "inf"]}], steps=3)
+    line = report.stop_line
+    assert "\n" not in line
+    assert line.startswith("the loss was nan on rank 1, inf on rank 3 at step 4: training stopped there on every "
+                           "rank, before that step's update (last finite loss 1.8150 at step 3; the model is as "
+                           "that step left it")
+    assert "on_nonfinite='skip'" in line and report.nonfinite_line is None
+    first = nonfinite_report("stop", agreed=[{"step": 1, "ranks": [0], "values": ["nan"]}], steps=0)
+    assert "no step of this run had a finite loss; the model is as it was before the run" in first.stop_line
+
+
+def test_skipped_steps_are_listed_in_the_report():
+    report = nonfinite_report("skip", agreed=[{"step": 2, "ranks": [0], "values": ["nan"]},
+                                              {"step": 5, "ranks": [0, 1], "values": ["nan", "nan"]}],
+                              losses_at={0: (1, float("nan"))})
+    assert report.stop_line is None
+    assert "skipped the update of 2 steps whose loss was not finite: step 2, 5 (first: nan on rank 0)" in str(report)
+
+
+def test_continue_warns_from_the_losses_the_ranks_kept():
+    report = nonfinite_report("continue", losses_at={2: (3, float("-inf")), 1: (3, float("nan"))})
+    assert report.stop_line is None
+    assert report.nonfinite_line == (
+        "warning: the loss was not finite in 1 step (4; first: nan on rank 1, -inf on rank 2 at step 4), and training "
+        "went on (on_nonfinite='continue'): the model may hold NaN")
+    assert nonfinite_report("continue").nonfinite_line is None
