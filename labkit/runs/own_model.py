@@ -344,11 +344,36 @@ def _check_heads(network: Any, tp: int) -> None:
                              f"use a tp size that divides {count}, or a config whose {name} tp divides")
 
 
+def _refuse_unread(options: dict, parts: tuple[str, ...]) -> None:
+    """An option of the user's model that no part of the run reads (``tp_plan`` given to ddp) is refused: it
+    would be dropped without a word. Its owners are named as ``spec.train_config`` names a strategy setting's."""
+    from labkit.strategies.catalog import strategy, strategy_names
+    from labkit.zoo.plugins import PluginError
+
+    for name, value in options.items():
+        if value is None or any(name in strategy(part).model_options for part in parts):
+            continue
+        owners = []
+        for candidate in strategy_names():
+            try:
+                entry = strategy(candidate)
+            except PluginError:  # a broken plugin answers for itself when it is asked for
+                continue
+            if name in entry.model_options:
+                owners.append(entry)
+        if not owners:
+            raise LabConfigError(f"{name} is read by no installed strategy: drop {name}")
+        whose = " or ".join(f"{owner.name} ({owner.summary})" for owner in owners)
+        add = " or ".join(owner.name for owner in owners)
+        raise LabConfigError(f"{name} is a setting of {whose}: add {add} to the strategy, or drop {name}")
+
+
 def check_run(inspection: Inspection, config: TrainConfig) -> None:
     """Refuse, before any rank works, what the run's strategy cannot do with this model, saying what to pass."""
     from labkit.zoo import own_plan
 
     network, options, parts = inspection.network, inspection.options, config.parts
+    _refuse_unread(options, parts)
     try:
         if options["fsdp_units"] and "fsdp" in parts:
             own_plan.check_fsdp_units(network, options["fsdp_units"])

@@ -99,6 +99,9 @@ class Strategy:
     order: int  # position when composed on a rank: lower first
     summary: str
     settings: tuple[Setting[Any], ...] = ()
+    # What it reads of a user's own model's options (``tp_plan``, ``pp_split``, ``fsdp_units``): an option that
+    # no part of a run reads is refused, not silently dropped.
+    model_options: tuple[str, ...] = ()
     shards_memory: bool = False  # divides parameters, gradients and optimizer state over its axis
     # Torch-free checks of a resolved config using this strategy; raise ValueError with the reason.
     check: Callable[[TrainConfig], None] | None = None

@@ -132,6 +132,17 @@ def test_refusals_name_what_to_pass(notebook):
         check_run(inspection, config)
 
 
+def test_an_option_no_part_of_the_strategy_reads_is_refused_naming_its_strategy(notebook):
+    for option, value, owner in (("tp_plan", {"blocks.*.inner": "colwise"}, "tp"), ("pp_split", ["blocks.1"], "pp"),
+                                 ("fsdp_units", ["Block"], "fsdp")):
+        config, inspection = _config(notebook, "ddp", **{option: value})
+        with pytest.raises(LabConfigError, match=rf"^{option} is a setting of {owner} \(.*\): add {owner} to the "
+                                                 rf"strategy, or drop {option}$"):
+            check_run(inspection, config)
+    config, inspection = _config(notebook, "fsdp", fsdp_units=["Block"])
+    check_run(inspection, config)  # read by the strategy: accepted
+
+
 def test_a_checkpoint_records_the_models_identity_and_a_load_compares_it(notebook):
     config, _ = _config(notebook)
     saved = checkpoint_settings(config)["settings"]
