@@ -26,7 +26,7 @@ import os
 from typing import TYPE_CHECKING
 
 from labkit.runs.checkpoint_check import check_files, read_meta
-from labkit.runs.own_model import check_run, split_settings
+from labkit.runs.own_model import check_run, say_once, split_settings
 from labkit.spec.checkpoint_files import META_FILE, is_checkpoint_file, is_complete, partial_directory, recoverable, \
     save_refusal
 from labkit.spec.errors import LabBusy, LabConfigError
@@ -154,7 +154,7 @@ def load(session: Session, path: str, timeout: float, mesh: dict | None = None, 
     if checkpoint_refusal(config.parts):
         raise LabConfigError(f"cannot load into {config.strategy}: {checkpoint_refusal(config.parts)}")
     if inspection is not None:
-        check_run(inspection, config)
+        say_once(session.said, check_run(inspection, config))
     session.ready()
     session.execute(None, entry.load_checkpoint,
                     (config, directory, meta["step"], same_world), timeout)

@@ -368,11 +368,14 @@ def _refuse_unread(options: dict, parts: tuple[str, ...]) -> None:
         raise LabConfigError(f"{name} is a setting of {whose}: add {add} to the strategy, or drop {name}")
 
 
-def check_run(inspection: Inspection, config: TrainConfig) -> None:
-    """Refuse, before any rank works, what the run's strategy cannot do with this model, saying what to pass."""
+def check_run(inspection: Inspection, config: TrainConfig) -> list[str]:
+    """Refuse, before any rank works, what the run's strategy cannot do with this model, saying what to pass.
+
+    Returns what to tell the user once of the run (a setting the lab changes for it), for ``say_once``."""
     from labkit.zoo import own_plan
 
     network, options, parts = inspection.network, inspection.options, config.parts
+    notes: list[str] = []
     _refuse_unread(options, parts)
     try:
         if options["fsdp_units"] and "fsdp" in parts:
@@ -393,6 +396,9 @@ def check_run(inspection: Inspection, config: TrainConfig) -> None:
                     raise ValueError("pp cuts your model into stages by tracing its forward, which cannot follow "
                                      "tensor-parallel parameters: train it under pp or tp (or fsdp+pp, ddp+pp, "
                                      "fsdp+tp), or give the model a keep_stage(stage, stages) method for pp+tp")
+                if own_plan.caching_configs(network):
+                    notes.append(f"labkit: {type(network).__name__} is cut into pipeline stages with use_cache=False "
+                                 "(its key/value cache is no tensor a pipeline passes); its config is left as it is")
             if isinstance(inspection.sample, dict):
                 raise ValueError("a pipeline passes tensors from stage to stage: give batches as (inputs, targets) "
                                  "tuples, not dicts, to train under pp")
@@ -411,3 +417,12 @@ def check_run(inspection: Inspection, config: TrainConfig) -> None:
         raise LabConfigError(f"your data function returns {inspection.rows} rows per step, and the run's global "
                              f"batch is {config.global_batch}: pass global_batch={inspection.rows}, or make the "
                              f"function return {config.global_batch}")
+    return notes
+
+
+def say_once(said: set[str], notes: list[str]) -> None:
+    """Print each of ``notes`` not in ``said`` (the session's: notes told once, not at every run), and add it."""
+    for note in notes:
+        if note and note not in said:
+            said.add(note)
+            print(note, flush=True)

@@ -229,7 +229,7 @@ def test_the_magic_takes_the_notebooks_names(shell, lab, capsys):
     assert "Tower under ddp" in str(report)
 
 
-def test_a_hugging_face_llama_with_its_own_tp_plan(shell, lab):
+def test_a_hugging_face_llama_with_its_own_tp_plan(shell, lab, capsys):
     pytest.importorskip("transformers")
     define(shell, '''
 import glob, os, sysconfig
@@ -257,11 +257,12 @@ def characters(step, generator):
         verified(report)
         assert report.tokens_per_second is not None
     define(shell, "def logits_loss(output, batch):\n"
-                  "    return F.cross_entropy(output.logits.flatten(0, 1), batch[1].flatten())\n\n"
-                  "llama_config.use_cache = False  # its key/value cache is no tensor a pipeline's tracer takes\n")
+                  "    return F.cross_entropy(output.logits.flatten(0, 1), batch[1].flatten())\n")
+    assert notebook["llama_config"].use_cache  # the default: the lab cuts the stages without the cache
     report = lab.train("ddp+pp", mesh=dict(dp=2, pp=2), model=notebook["tiny_llama"], data=notebook["characters"],
                        loss=notebook["logits_loss"], pp_split=["model.layers.1"], steps=3, verify=True)
     verified(report)  # the last stage's logits rebuilt into the model's own output for a loss that reads it
+    assert "LlamaForCausalLM is cut into pipeline stages with use_cache=False" in capsys.readouterr().out
     define(shell, "llama_config.num_key_value_heads = 2")
     with pytest.raises(LabConfigError, match="num_key_value_heads=2"):
         lab.train("tp", **own)

@@ -143,6 +143,24 @@ def test_an_option_no_part_of_the_strategy_reads_is_refused_naming_its_strategy(
     check_run(inspection, config)  # read by the strategy: accepted
 
 
+def test_a_model_that_returns_its_cache_is_said_once_to_be_cut_without_it(notebook, capsys):
+    from labkit.runs.own_model import say_once
+
+    class Settings:
+        use_cache = True
+
+    config, inspection = _config(notebook, "pp", pp_split=["blocks.1", "blocks.2", "head"], global_batch=8)
+    assert check_run(inspection, config) == []  # no Hugging Face config: nothing changed, nothing said
+    inspection.network.config = Settings()
+    notes = check_run(inspection, config)
+    assert notes == ["labkit: Net is cut into pipeline stages with use_cache=False (its key/value cache is no tensor "
+                     "a pipeline passes); its config is left as it is"]
+    said: set[str] = set()
+    say_once(said, notes)
+    say_once(said, notes)
+    assert capsys.readouterr().out == notes[0] + "\n"
+
+
 def test_a_checkpoint_records_the_models_identity_and_a_load_compares_it(notebook):
     config, _ = _config(notebook)
     saved = checkpoint_settings(config)["settings"]
