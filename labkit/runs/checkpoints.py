@@ -26,7 +26,8 @@ import os
 from typing import TYPE_CHECKING
 
 from labkit.runs.checkpoint_check import check_files, read_meta
-from labkit.runs.own_model import check_run, say_once, split_settings
+from labkit.runs.own_model import split_settings
+from labkit.runs.own_run_checks import check_run, say_once
 from labkit.spec.checkpoint_files import META_FILE, is_checkpoint_file, is_complete, partial_directory, recoverable, \
     save_refusal
 from labkit.spec.errors import LabBusy, LabConfigError

@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING
 
 from labkit.runs.budget import enforce_budget
 from labkit.runs.healing import TrainingRecord, continuation, has_checkpoint
-from labkit.runs.own_model import check_run, say_once, split_settings
+from labkit.runs.own_model import split_settings
+from labkit.runs.own_run_checks import check_run, say_once
 from labkit.runs.training_run import TrainingRun
 from labkit.spec.errors import LabConfigError
 from labkit.spec.train_config import BatchSplitError, TrainConfig, resolve, resume_differences, user_settings

@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 from labkit.zoo.own_checks import (
     check_fsdp_units, check_pp_split, check_tp_plan, hf_tp_plan, largest_module_list, matches, outline, pp_example,
-    quoted, style_kind, tp_example, unit_names, unmatched, verify_refusal,
+    PLAN_IN_WORDS, quoted, style_kind, unit_names, unmatched, verify_refusal,
 )
 
 if TYPE_CHECKING:
@@ -85,7 +85,7 @@ class ModulePlan:
         ``sequence_parallel`` needs the plan itself to shard something by sequence: only it knows the layouts."""
         plan = self._plan or self.outline.hf_plan
         if not plan:
-            raise ValueError(f"tp needs a plan for this model: pass tp_plan={tp_example(self.outline)}")
+            raise ValueError(f"tp needs a plan for this model: pass tp_plan={PLAN_IN_WORDS}")
         here = [name for name, _ in self.model.named_modules()]
         styles: dict[str, ParallelStyle] = {}
         for pattern, style in plan.items():

@@ -447,3 +447,79 @@ def test_a_checkpoint_loads_on_another_number_of_ranks(shell, lab, tmp_path):
         two.train(steps=2, resume=True)
         on_two = two.model_state()
     assert all(torch.allclose(after_five[name], on_two[name], rtol=1e-5, atol=1e-6) for name in after_five)
+
+
+GATED = '''
+class Gated(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.up = nn.Linear(dim, 4 * dim)
+        self.gate = nn.Linear(dim, 4 * dim)
+        self.down = nn.Linear(4 * dim, dim)
+
+    def forward(self, x):
+        return x + self.down(F.silu(self.gate(x)) * self.up(x))
+
+class GatedTower(nn.Module):
+    def __init__(self, dim=16, depth=2):
+        super().__init__()
+        self.embed = nn.Linear(8, dim)
+        self.blocks = nn.ModuleList([Gated(dim) for _ in range(depth)])
+        self.head = nn.Linear(dim, 3)
+
+    def forward(self, x):
+        x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+def regression_on_the_ranks():
+    return regression
+
+class RaisingInForward(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.Linear(8, 3)
+
+    def forward(self, x):
+        scale = 2.0
+        raise ValueError("forward refuses")
+'''
+
+
+def test_a_gated_block_trains_under_the_plan_its_refusal_suggests(shell, lab, capsys):
+    import json
+
+    notebook = define(shell, GATED)
+    own = dict(model=notebook["GatedTower"], data=notebook["regression"], loss=notebook["mse"], steps=2)
+    with pytest.raises(LabConfigError, match=r"tp needs a plan") as refused:
+        lab.train("tp", **own)
+    suggested = json.loads(str(refused.value).split("tp_plan=", 1)[1])
+    assert suggested == {"blocks.*.gate": "colwise", "blocks.*.up": "colwise", "blocks.*.down": "rowwise"}
+    verified(lab.train("tp", tp_plan=suggested, verify=True, **own))
+    started = time.perf_counter()
+    with pytest.raises(LabConfigError, match="tp_plan does not fit together"):  # gate reads x, not up's output
+        lab.train("tp", tp_plan={"blocks.*.up": "colwise", "blocks.*.gate": "rowwise"}, **own)
+    assert time.perf_counter() - started < 2, "refused in the notebook, before any rank works"
+    # Data made on the ranks leaves nothing to try the plan on in the notebook: the ranks fail, and torch's
+    # logged tracebacks are folded into the one error instead of printed beside it.
+    capsys.readouterr()
+    with pytest.raises(Exception) as failed:
+        lab.train("tp", model=notebook["GatedTower"], data=notebook["regression_on_the_ranks"],
+                  loss=notebook["mse"], steps=1, global_batch=16,
+                  tp_plan={"blocks.*.up": "colwise", "blocks.*.gate": "rowwise"})
+    said = capsys.readouterr()
+    assert "failed while attempting to run meta" not in said.out + said.err
+    shown = "\n".join([str(failed.value), *getattr(failed.value, "__notes__", [])])
+    assert "torch logged" in shown and "reduction dim" in shown
+
+
+def test_an_error_in_forward_shows_the_cells_line_and_not_the_labs_frames(shell, lab):
+    notebook = define(shell, GATED)
+    with pytest.raises(Exception) as failed:
+        lab.train("ddp", model=notebook["RaisingInForward"], data=notebook["regression"], loss=notebook["mse"],
+                  steps=1)
+    shown = "\n".join([str(failed.value), *getattr(failed.value, "__notes__", [])])
+    assert 'raise ValueError("forward refuses")' in shown  # the line of the cell the class was written in
+    assert "lab frames hidden)" in shown
+    assert "labkit/rank/loop.py" not in shown and "labkit/strategies" not in shown
