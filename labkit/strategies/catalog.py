@@ -99,9 +99,6 @@ class Strategy:
     order: int  # position when composed on a rank: lower first
     summary: str
     settings: tuple[Setting[Any], ...] = ()
-    # What it reads of a user's own model's options (``tp_plan``, ``pp_split``, ``fsdp_units``): an option that
-    # no part of a run reads is refused, not silently dropped.
-    model_options: tuple[str, ...] = ()
     shards_memory: bool = False  # divides parameters, gradients and optimizer state over its axis
     # Torch-free checks of a resolved config using this strategy; raise ValueError with the reason.
     check: Callable[[TrainConfig], None] | None = None
@@ -120,6 +117,9 @@ class Strategy:
     loss_on_one_rank: bool = False
     over_budget: str = ""  # said when it alone exceeds the memory budget (why more ranks would not help)
     list_position: int = 100  # where it stands in lists and messages: lower first (then by name)
+    # What it reads of a user's own model's options (``tp_plan``, ``pp_split``, ``fsdp_units``): an option that
+    # no part of a run reads is refused, not silently dropped.
+    model_options: tuple[str, ...] = ()
     # Its module, where ``apply`` is (default: the one its entry point names). Not part of what makes
     # two declarations the same: the one a module declares equals the one found through its entry point.
     module: str = field(default="", compare=False)
