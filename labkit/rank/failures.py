@@ -8,6 +8,7 @@ about errors that ranks make where a single process would not.
 
 from __future__ import annotations
 
+import os
 import re
 import traceback
 from collections.abc import Collection
@@ -66,8 +67,63 @@ def hint(error: BaseException) -> str:
 
 
 def user_traceback(error: BaseException, own_files: Collection[str]) -> str:
-    """The traceback from the user's code down, without the lab's own frames (those of ``own_files``) above it."""
+    """The traceback from the user's code down: the lab's wrapper frames (those of ``own_files``) above it left
+    out, as IPython leaves out its own; labkit's frames between the start and the user's innermost frame
+    (``lab.train``'s loop, its strategies) folded into one line each run, "(4 lab frames hidden)". Frames the
+    lab ran after the user's innermost one stay: there the lab itself raised."""
     tb = error.__traceback__
     while tb is not None and tb.tb_frame.f_code.co_filename in own_files:
         tb = tb.tb_next
-    return "".join(traceback.format_exception(type(error), error, tb))
+    shown = traceback.TracebackException(type(error), error, tb, compact=True)
+    seen: set[int] = set()
+    pending = [shown]
+    while pending:  # the error and those it was raised from or during
+        current = pending.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        current.stack = _LabFramesHidden.of(current.stack)
+        pending.extend(chained for chained in (current.__cause__, current.__context__) if chained is not None)
+    return "".join(shown.format())
+
+
+_LAB_FOLDER = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the labkit package's folder
+
+
+def is_lab_file(filename: str) -> bool:
+    return os.path.abspath(filename).startswith(_LAB_FOLDER + os.sep)
+
+
+class _LabFramesHidden(traceback.StackSummary):
+    """A stack whose lab frames above the user's innermost frame are left out, each run said in one line."""
+
+    hidden: dict[int, int]  # index of the frame shown after a run of hidden ones -> how many were hidden
+
+    @classmethod
+    def of(cls, stack: traceback.StackSummary) -> _LabFramesHidden:
+        frames = list(stack)
+        users = [index for index, frame in enumerate(frames) if not is_lab_file(frame.filename)]
+        innermost = users[-1] if users else -1
+        kept = cls()
+        kept.hidden = {}
+        run = 0
+        for index, frame in enumerate(frames):
+            if index < innermost and is_lab_file(frame.filename):
+                run += 1
+                continue
+            if run:
+                kept.hidden[len(kept)] = run
+                run = 0
+            kept.append(frame)
+        return kept
+
+    def format(self, **options) -> list[str]:  # Python 3.13 passes options (colorize) on to each frame
+        lines = []
+        for index, frame in enumerate(self):
+            if index in self.hidden:
+                count = self.hidden[index]
+                lines.append(f"  ({count} lab frame{'s' if count > 1 else ''} hidden)\n")
+            formatted = self.format_frame_summary(frame, **options)
+            if formatted is not None:
+                lines.append(formatted)
+        return lines

@@ -39,6 +39,7 @@ from labkit.rank.nonfinite import NonFiniteGuard
 from labkit.rank.own_model import trainable_for
 from labkit.rank.periodic_checkpoints import PeriodicCheckpoints
 from labkit.rank.state import state_for
+from labkit.rank.torch_log_fold import torch_exceptions_folded
 from labkit.spec.train_config import OPTIMIZERS, TrainConfig
 from labkit.strategies.catalog import DATA_AXES, strategy
 from labkit.strategies.compose import ParallelModel, shard_for_memory_estimate
@@ -143,7 +144,7 @@ class LossLog:
 
 def train(config: TrainConfig, context: RankContext | None = None) -> RankResult:
     runtime = context or this_rank()
-    with precision_settings(config):
+    with precision_settings(config), torch_exceptions_folded():
         return _train(config, runtime)
 
 

@@ -15,6 +15,8 @@ unpickle the data again.
 
 from __future__ import annotations
 
+import linecache
+
 from labkit.rank.context import RankContext
 from labkit.rank.push import build_all
 from labkit.spec.train_config import TrainConfig
@@ -30,6 +32,7 @@ def trainable_for(config: TrainConfig, context: RankContext) -> Trainable:
     own = config.own
     if own is None:
         return declared_trainable(config)
+    show_cells(own.sources)
     built = context.own_built
     if built is None or built[0] != own.fingerprint:
         context.own_built = None  # the old model's data goes before the new one is unpickled
@@ -38,6 +41,14 @@ def trainable_for(config: TrainConfig, context: RankContext) -> Trainable:
     parts = built[1]
     return OwnTrainable(own.name, parts[MODEL], parts[DATA], parts[LOSS], config.seed, parts[OPTIONS],
                         tokens=own.tokens_per_sample, meta=own.meta_build, loss_name=own.loss_name)
+
+
+def show_cells(sources: dict) -> None:
+    """Keep the lines of the notebook cells the user's code was written in ({cell name: lines}) where tracebacks
+    read lines, so an error in their ``forward`` or loss shows its line, as a ``%%lab`` cell's does. Kept with no
+    modification time: ``linecache.checkcache`` leaves such entries be."""
+    for filename, lines in sources.items():
+        linecache.cache[filename] = (sum(map(len, lines)), None, list(lines), filename)
 
 
 def _build(items: tuple[dict, ...], namespace: dict | None) -> dict:

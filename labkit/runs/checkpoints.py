@@ -29,7 +29,8 @@ import os
 from typing import TYPE_CHECKING
 
 from labkit.runs.checkpoint_check import check_files, check_sums, read_meta
-from labkit.runs.own_model import check_run, split_settings
+from labkit.runs.own_model import split_settings
+from labkit.runs.own_run_checks import check_run, say_once
 from labkit.spec.checkpoint_files import META_FILE, is_checkpoint_file, is_complete, partial_directory, recoverable, \
     save_refusal
 from labkit.runs.save_outcome import record_at, save_failure
@@ -172,7 +173,7 @@ def load(session: Session, path: str, timeout: float, mesh: dict | None = None, 
     if checkpoint_refusal(config.parts):
         raise LabConfigError(f"cannot load into {config.strategy}: {checkpoint_refusal(config.parts)}")
     if inspection is not None:
-        check_run(inspection, config)
+        say_once(session.said, check_run(inspection, config))
     cluster = session.ready()
     ranks = range(session.world_size)
     check_sums(directory, meta, session.world_size,

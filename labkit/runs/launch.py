@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING
 
 from labkit.runs.budget import enforce_budget
 from labkit.runs.healing import TrainingRecord, continuation, has_checkpoint
-from labkit.runs.own_model import check_run, split_settings
+from labkit.runs.own_model import split_settings
+from labkit.runs.own_run_checks import check_run, say_once
 from labkit.runs.training_run import TrainingRun
 from labkit.spec.errors import LabConfigError
 from labkit.spec.train_config import BatchSplitError, TrainConfig, resolve, resume_differences, user_settings
@@ -69,10 +70,7 @@ def resolve_run(session: Session, settings: dict, mesh: dict | None, resume: boo
             raise LabConfigError(f"resume continues the last run, so only its length and reporting may change: "
                                  f"{'; '.join(differences)}. Train without resume=True for a new run.")
     if inspection is not None:
-        check_run(inspection, config)
-        if inspection.note and inspection.note not in session.said:  # said once, not at every run
-            session.said.add(inspection.note)
-            print(inspection.note, flush=True)
+        say_once(session.said, [inspection.note, *check_run(inspection, config)])
     return config
 
 

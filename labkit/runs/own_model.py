@@ -15,7 +15,7 @@ In the notebook, before any rank works:
   one process is still counted) and at one sample of the data: the parameter
   count (memory estimate, MFU), the parameters' names and shapes (what a
   checkpoint must match), tokens per sample.
-- **refuse**, once the run's mesh is known (``check_run``), what cannot work,
+- **refuse**, once the run's mesh is known (``runs.own_run_checks``), what cannot work,
   saying what to pass: tensor parallelism with no plan, a plan that names no
   module or splits a width tp does not divide; a pipeline with no split points
   or wrong ones; ``fsdp_units`` that match nothing; ``verify`` where the proof
@@ -35,7 +35,6 @@ from typing import Any
 from labkit.runs.push import LAB_NAMES, NOTEBOOK_MODULE, class_statement, from_notebook, pack
 from labkit.spec.errors import LabConfigError
 from labkit.spec.own_model import OWN_SETTINGS, OwnModel
-from labkit.spec.train_config import TrainConfig
 
 # Names IPython keeps in the notebook's namespace that user code reading them never means to send.
 IPYTHON_NAMES = {"In", "Out", "get_ipython", "exit", "quit", "_", "__", "___", "_i", "_ii", "_iii", "_oh", "_dh",
@@ -337,63 +336,3 @@ def _fingerprint(items: list[dict]) -> str:
 def _shapes(network: Any) -> str:
     lines = sorted(f"{name}:{tuple(parameter.shape)}" for name, parameter in network.named_parameters())
     return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16]
-
-
-# -- the checks that need the run's mesh ---------------------------------------------------------------------
-
-
-HEAD_COUNTS = ("num_attention_heads", "num_key_value_heads", "n_head")  # a Hugging Face config's heads
-
-
-def _check_heads(network: Any, tp: int) -> None:
-    """Attention heads split whole over tensor-parallel ranks: a Hugging Face config's counts must divide."""
-    settings = getattr(network, "config", None)
-    for name in HEAD_COUNTS:
-        count = getattr(settings, name, None)
-        if isinstance(count, int) and count % tp:
-            raise ValueError(f"tp={tp} splits attention heads whole, and the model's config has {name}={count}: "
-                             f"use a tp size that divides {count}, or a config whose {name} tp divides")
-
-
-def check_run(inspection: Inspection, config: TrainConfig) -> None:
-    """Refuse, before any rank works, what the run's strategy cannot do with this model, saying what to pass."""
-    from labkit.zoo import own_plan
-
-    network, options, parts = inspection.network, inspection.options, config.parts
-    try:
-        if options["fsdp_units"] and "fsdp" in parts:
-            own_plan.check_fsdp_units(network, options["fsdp_units"])
-        if "tp" in parts:
-            plan = options["tp_plan"]
-            if plan is None and not callable(getattr(network, "tp_plan", None)):
-                plan = own_plan.hf_tp_plan(network)
-                if plan is None:
-                    own_plan.ModulePlan(network).tp_plan()  # raises, with an example made from the model
-            if plan is not None:
-                own_plan.check_tp_plan(network, plan, config.axis("tp"))
-            _check_heads(network, config.axis("tp"))
-        if "pp" in parts:
-            if options["pp_split"] or not callable(getattr(network, "keep_stage", None)):
-                own_plan.check_pp_split(network, options["pp_split"], config.axis("pp"))
-                if "tp" in parts:
-                    raise ValueError("pp cuts your model into stages by tracing its forward, which cannot follow "
-                                     "tensor-parallel parameters: train it under pp or tp (or fsdp+pp, ddp+pp, "
-                                     "fsdp+tp), or give the model a keep_stage(stage, stages) method for pp+tp")
-            if isinstance(inspection.sample, dict):
-                raise ValueError("a pipeline passes tensors from stage to stage: give batches as (inputs, targets) "
-                                 "tuples, not dicts, to train under pp")
-        if config.verify:
-            slices = config.data_parts * (config.micro_batches or 1)
-            refusal = own_plan.verify_refusal(network, data_parallel=slices > 1)
-            if refusal:
-                raise ValueError(f"verify=True cannot hold for {network.__class__.__name__}: {refusal}")
-    except ValueError as error:
-        raise LabConfigError(str(error)) from None
-    if inspection.samples is not None and config.global_batch > inspection.samples:
-        # Each step would read the data set more than once, and make every rank collate its share of it.
-        raise LabConfigError(f"global_batch={config.global_batch} is more samples than your data set has "
-                             f"({inspection.samples:,}): pass a global_batch of at most {inspection.samples:,}")
-    if inspection.rows is not None and inspection.rows != config.global_batch:
-        raise LabConfigError(f"your data function returns {inspection.rows} rows per step, and the run's global "
-                             f"batch is {config.global_batch}: pass global_batch={inspection.rows}, or make the "
-                             f"function return {config.global_batch}")

@@ -123,6 +123,9 @@ class Strategy:
     loss_on_one_rank: bool = False
     over_budget: str = ""  # said when it alone exceeds the memory budget (why more ranks would not help)
     list_position: int = 100  # where it stands in lists and messages: lower first (then by name)
+    # What it reads of a user's own model's options (``tp_plan``, ``pp_split``, ``fsdp_units``): an option that
+    # no part of a run reads is refused, not silently dropped.
+    model_options: tuple[str, ...] = ()
     # Its module, where ``apply`` is (default: the one its entry point names). Not part of what makes
     # two declarations the same: the one a module declares equals the one found through its entry point.
     module: str = field(default="", compare=False)

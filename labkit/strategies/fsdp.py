@@ -47,6 +47,7 @@ STRATEGY = Strategy(
     "fsdp", axis="dp", order=2, shards_memory=True, list_position=20,
     summary="fully sharded data parallel: parameters, gradients and optimizer state sharded (FSDP2)",
     settings=(RESHARD_AFTER_FORWARD,),
+    model_options=("fsdp_units",),
 )
 
 

@@ -73,6 +73,7 @@ STRATEGY = Strategy(
     loss_on_one_rank=True, list_position=40,
     summary="pipeline parallel: stages of layers, microbatches in flight (torch.distributed.pipelining)",
     settings=(SCHEDULE,),
+    model_options=("pp_split",),
 )
 
 

@@ -48,6 +48,7 @@ STRATEGY = Strategy(
     "tp", axis="tp", order=0, shards_memory=True, check=check, list_position=30,
     summary="tensor parallel: layers split over ranks (DTensor)",
     settings=(SEQUENCE_PARALLEL,),
+    model_options=("tp_plan",),
 )
 
 

@@ -18,7 +18,7 @@ Torch is imported inside the functions: this module loads without it.
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -39,6 +39,9 @@ STYLE_KINDS = {
 CONFIG_DROPOUTS = ("attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop", "dropout",
                    "hidden_dropout_prob", "attention_probs_dropout_prob")
 _SHOWN = 6  # how many names an error lists
+# A plan in words: what a message shows where no plan in the model's names was tried (``torch_support.tp_trial``).
+PLAN_IN_WORDS = ('{"<the Linear layers that read a block\'s input>": "colwise", '
+                 '"<the Linear layer that reads their outputs>": "rowwise"}')
 
 
 @dataclass(frozen=True)
@@ -161,8 +164,12 @@ def check_fsdp_units(model: nn.Module, fsdp_units: Sequence[str | type] | None) 
     unit_names(outline(model), fsdp_units)
 
 
-def check_tp_plan(model: nn.Module, plan: Mapping[str, str | ParallelStyle], tp: int) -> None:
-    """Every pattern names a module; colwise/rowwise split Linear or Embedding layers whose split width tp divides."""
+def check_tp_plan(model: nn.Module, plan: Mapping[str, str | ParallelStyle], tp: int,
+                  example: Callable[[], str] | None = None) -> None:
+    """Every pattern names a module; colwise/rowwise split Linear or Embedding layers whose split width tp divides.
+
+    ``example``: makes the plan a refusal shows (``torch_support.tp_trial.example_text`` tries it first); by
+    default the rule in words."""
     import torch.nn as nn
 
     shape = outline(model)
@@ -183,7 +190,7 @@ def check_tp_plan(model: nn.Module, plan: Mapping[str, str | ParallelStyle], tp:
             else:
                 raise ValueError(f'tp_plan splits "{pattern}" {kind}, but {name} is a {type(module).__name__}: '
                                  f"colwise and rowwise split nn.Linear and nn.Embedding layers only; name those, "
-                                 f"e.g. tp_plan={tp_example(shape)}")
+                                 f"e.g. tp_plan={example() if example is not None else PLAN_IN_WORDS}")
             width = getattr(module, attribute)
             if width % tp:
                 raise ValueError(f"tp={tp} does not divide {name} ({type(module).__name__}): its {kind} split "
@@ -250,22 +257,6 @@ def pp_example(shape: ModelOutline, stages: int) -> str:
 def quoted(names: Sequence[str]) -> str:
     """A list of names as the user writes it: ["blocks.2", "blocks.4"]."""
     return "[" + ", ".join(f'"{name}"' for name in names) + "]"
-
-
-def tp_example(shape: ModelOutline) -> str:
-    """A plan in the model's own names: the first block's first two Linear layers, ``*`` for the block."""
-    from torch import nn
-
-    blocks = shape.largest_list()
-    first = shape.children_of(blocks)[0] if blocks is not None else ""
-    linears = [name for name in shape.names
-               if shape.is_a(name, nn.Linear) and (not first or name.startswith(f"{first}."))][:2]
-    if not linears:
-        return '{"<a Linear layer>": "colwise", "<the next Linear layer>": "rowwise"}'
-    if blocks is not None:
-        linears = [f"{blocks}.*{name[len(first):]}" for name in linears]
-    styles = ("colwise", "rowwise")
-    return "{" + ", ".join(f'"{name}": "{style}"' for name, style in zip(linears, styles)) + "}"
 
 
 def verify_refusal(model: nn.Module, data_parallel: bool) -> str | None:

@@ -23,7 +23,8 @@ knows the classes and names the tracer replaced. Limits of the tracing:
 
 - the pipeline passes tensors only: the last stage returns the model's outputs
   flat (a Hugging Face ``ModelOutput`` as its logits); ``model_output`` rebuilds
-  what the model returns;
+  what the model returns; a Hugging Face model is traced with ``use_cache=False``
+  (``without_cache``): its key/value cache is no tensor;
 - a graph keeps the sizes it saw: it runs micro-batches of the example's shape,
   and tensor parallelism on a stage works only where the forward reads widths
   from the tensors (``view(B, T, -1, head)``): a size written into the graph
@@ -35,14 +36,15 @@ The notebook-side checks of the same names are in ``own_checks``.
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from labkit.zoo.own_checks import (
     check_fsdp_units, check_pp_split, check_tp_plan, hf_tp_plan, largest_module_list, matches, outline, pp_example,
-    quoted, style_kind, tp_example, unit_names, unmatched, verify_refusal,
+    PLAN_IN_WORDS, quoted, style_kind, unit_names, unmatched, verify_refusal,
 )
 
 if TYPE_CHECKING:
@@ -53,8 +55,8 @@ if TYPE_CHECKING:
     from torch.utils._pytree import TreeSpec
 
 # The notebook's checks are ``own_checks``'; they are named here too, so one module answers for own models.
-__all__ = ["ModulePlan", "check_fsdp_units", "check_pp_split", "check_tp_plan", "hf_tp_plan", "largest_module_list",
-           "model_output", "torch_style", "verify_refusal"]
+__all__ = ["ModulePlan", "caching_configs", "check_fsdp_units", "check_pp_split", "check_tp_plan", "hf_tp_plan",
+           "largest_module_list", "model_output", "torch_style", "verify_refusal", "without_cache"]
 
 
 class ModulePlan:
@@ -83,7 +85,7 @@ class ModulePlan:
         ``sequence_parallel`` needs the plan itself to shard something by sequence: only it knows the layouts."""
         plan = self._plan or self.outline.hf_plan
         if not plan:
-            raise ValueError(f"tp needs a plan for this model: pass tp_plan={tp_example(self.outline)}")
+            raise ValueError(f"tp needs a plan for this model: pass tp_plan={PLAN_IN_WORDS}")
         here = [name for name, _ in self.model.named_modules()]
         styles: dict[str, ParallelStyle] = {}
         for pattern, style in plan.items():
@@ -171,15 +173,13 @@ def _trace(model: nn.Module, example: tuple, split: list[str]) -> tuple[Pipe, Tr
     specs: list[TreeSpec] = []
     hook = model.register_forward_hook(lambda module, args, output: specs.append(pytree.tree_flatten(output)[1]))
     try:
-        with warnings.catch_warnings():  # torch's own use of a deprecated pytree name, on every trace
+        with warnings.catch_warnings(), without_cache(model):  # torch's own use of a deprecated pytree name, on every trace
             warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
             pipe = pipeline(model, mb_args=example, split_spec={name: SplitPoint.BEGINNING for name in split})
     except Exception as error:
         cause = str(error.__cause__ or error).strip().splitlines()
-        # A Hugging Face model returns its key/value cache unless told not to: not a tensor the tracer knows.
-        hint = " (a Hugging Face model: build its config with use_cache=False)" if "Cache" in str(cause) else ""
         raise ValueError(f"pp traces the forward with torch.export to cut it, and the trace failed: "
-                         f"{cause[0][:400] if cause else type(error).__name__}. Make the forward traceable{hint}, "
+                         f"{cause[0][:400] if cause else type(error).__name__}. Make the forward traceable, "
                          "or give the model a keep_stage(stage, stages) method") from error
     finally:
         hook.remove()
@@ -190,6 +190,31 @@ def _trace(model: nn.Module, example: tuple, split: list[str]) -> tuple[Pipe, Tr
             if original is not None and getattr(original, "__func__", None) is not type(module).forward:
                 vars(module)["forward"] = original  # the module's own instance-level forward
     return pipe, specs[-1] if specs else None
+
+
+def caching_configs(model: nn.Module) -> list[Any]:
+    """The configs of a Hugging Face model (``config``, ``generation_config``) that ask it to return its
+    key/value cache: a cache object, not a tensor, so no pipeline can pass it. Duck-typed."""
+    found = []
+    for name in ("config", "generation_config"):
+        settings = getattr(model, name, None)
+        if settings is not None and getattr(settings, "use_cache", None) is True:
+            found.append(settings)
+    return found
+
+
+@contextlib.contextmanager
+def without_cache(model: nn.Module) -> Iterator[None]:
+    """``use_cache=False`` on ``model``'s configs while it is traced, as they were afterwards: the config object
+    may be shared with the namespace it was built from, where other runs read it."""
+    turned = caching_configs(model)
+    for settings in turned:
+        settings.use_cache = False
+    try:
+        yield
+    finally:
+        for settings in turned:
+            settings.use_cache = True
 
 
 def _chain(pipe: Pipe, parts: list[nn.Module]) -> bool:

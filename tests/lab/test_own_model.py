@@ -229,7 +229,7 @@ def test_the_magic_takes_the_notebooks_names(shell, lab, capsys):
     assert "Tower under ddp" in str(report)
 
 
-def test_a_hugging_face_llama_with_its_own_tp_plan(shell, lab):
+def test_a_hugging_face_llama_with_its_own_tp_plan(shell, lab, capsys):
     pytest.importorskip("transformers")
     define(shell, '''
 import glob, os, sysconfig
@@ -257,11 +257,12 @@ def characters(step, generator):
         verified(report)
         assert report.tokens_per_second is not None
     define(shell, "def logits_loss(output, batch):\n"
-                  "    return F.cross_entropy(output.logits.flatten(0, 1), batch[1].flatten())\n\n"
-                  "llama_config.use_cache = False  # its key/value cache is no tensor a pipeline's tracer takes\n")
+                  "    return F.cross_entropy(output.logits.flatten(0, 1), batch[1].flatten())\n")
+    assert notebook["llama_config"].use_cache  # the default: the lab cuts the stages without the cache
     report = lab.train("ddp+pp", mesh=dict(dp=2, pp=2), model=notebook["tiny_llama"], data=notebook["characters"],
                        loss=notebook["logits_loss"], pp_split=["model.layers.1"], steps=3, verify=True)
     verified(report)  # the last stage's logits rebuilt into the model's own output for a loss that reads it
+    assert "LlamaForCausalLM is cut into pipeline stages with use_cache=False" in capsys.readouterr().out
     define(shell, "llama_config.num_key_value_heads = 2")
     with pytest.raises(LabConfigError, match="num_key_value_heads=2"):
         lab.train("tp", **own)
@@ -446,3 +447,79 @@ def test_a_checkpoint_loads_on_another_number_of_ranks(shell, lab, tmp_path):
         two.train(steps=2, resume=True)
         on_two = two.model_state()
     assert all(torch.allclose(after_five[name], on_two[name], rtol=1e-5, atol=1e-6) for name in after_five)
+
+
+GATED = '''
+class Gated(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.up = nn.Linear(dim, 4 * dim)
+        self.gate = nn.Linear(dim, 4 * dim)
+        self.down = nn.Linear(4 * dim, dim)
+
+    def forward(self, x):
+        return x + self.down(F.silu(self.gate(x)) * self.up(x))
+
+class GatedTower(nn.Module):
+    def __init__(self, dim=16, depth=2):
+        super().__init__()
+        self.embed = nn.Linear(8, dim)
+        self.blocks = nn.ModuleList([Gated(dim) for _ in range(depth)])
+        self.head = nn.Linear(dim, 3)
+
+    def forward(self, x):
+        x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+def regression_on_the_ranks():
+    return regression
+
+class RaisingInForward(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.Linear(8, 3)
+
+    def forward(self, x):
+        scale = 2.0
+        raise ValueError("forward refuses")
+'''
+
+
+def test_a_gated_block_trains_under_the_plan_its_refusal_suggests(shell, lab, capsys):
+    import json
+
+    notebook = define(shell, GATED)
+    own = dict(model=notebook["GatedTower"], data=notebook["regression"], loss=notebook["mse"], steps=2)
+    with pytest.raises(LabConfigError, match=r"tp needs a plan") as refused:
+        lab.train("tp", **own)
+    suggested = json.loads(str(refused.value).split("tp_plan=", 1)[1])
+    assert suggested == {"blocks.*.gate": "colwise", "blocks.*.up": "colwise", "blocks.*.down": "rowwise"}
+    verified(lab.train("tp", tp_plan=suggested, verify=True, **own))
+    started = time.perf_counter()
+    with pytest.raises(LabConfigError, match="tp_plan does not fit together"):  # gate reads x, not up's output
+        lab.train("tp", tp_plan={"blocks.*.up": "colwise", "blocks.*.gate": "rowwise"}, **own)
+    assert time.perf_counter() - started < 2, "refused in the notebook, before any rank works"
+    # Data made on the ranks leaves nothing to try the plan on in the notebook: the ranks fail, and torch's
+    # logged tracebacks are folded into the one error instead of printed beside it.
+    capsys.readouterr()
+    with pytest.raises(Exception) as failed:
+        lab.train("tp", model=notebook["GatedTower"], data=notebook["regression_on_the_ranks"],
+                  loss=notebook["mse"], steps=1, global_batch=16,
+                  tp_plan={"blocks.*.up": "colwise", "blocks.*.gate": "rowwise"})
+    said = capsys.readouterr()
+    assert "failed while attempting to run meta" not in said.out + said.err
+    shown = "\n".join([str(failed.value), *getattr(failed.value, "__notes__", [])])
+    assert "torch logged" in shown and "reduction dim" in shown
+
+
+def test_an_error_in_forward_shows_the_cells_line_and_not_the_labs_frames(shell, lab):
+    notebook = define(shell, GATED)
+    with pytest.raises(Exception) as failed:
+        lab.train("ddp", model=notebook["RaisingInForward"], data=notebook["regression"], loss=notebook["mse"],
+                  steps=1)
+    shown = "\n".join([str(failed.value), *getattr(failed.value, "__notes__", [])])
+    assert 'raise ValueError("forward refuses")' in shown  # the line of the cell the class was written in
+    assert "lab frames hidden)" in shown
+    assert "labkit/rank/loop.py" not in shown and "labkit/strategies" not in shown

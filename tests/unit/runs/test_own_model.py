@@ -4,13 +4,15 @@ The notebook's code is made as IPython makes it: compiled under a cell's name, i
 in ``linecache``, run in ``__main__``'s namespace.
 """
 
+import json
 import linecache
 import sys
 
 import pytest
 import torch
 
-from labkit.runs.own_model import check_run, pack_own, split_settings
+from labkit.runs.own_model import pack_own, split_settings
+from labkit.runs.own_run_checks import check_run, say_once
 from labkit.spec.errors import LabConfigError
 from labkit.spec.train_config import checkpoint_settings, identity_differences, resolve, resume_differences
 
@@ -44,6 +46,29 @@ class Net(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(self.drop(x))
+
+class Gated(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(8, 16)
+        self.gate = nn.Linear(8, 16)
+        self.down = nn.Linear(16, 8)
+
+    def forward(self, x):
+        return x + self.down(F.silu(self.gate(x)) * self.up(x))
+
+class GatedNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(4, 8)
+        self.blocks = nn.ModuleList([Gated() for _ in range(2)])
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x):
+        x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
 
 def make_batch(step, generator):
     x = torch.randn(8, 4, generator=generator)
@@ -130,6 +155,51 @@ def test_refusals_name_what_to_pass(notebook):
     config, inspection = _config(notebook, "ddp", global_batch=16)
     with pytest.raises(LabConfigError, match="returns 8 rows per step"):
         check_run(inspection, config)
+
+
+def test_an_option_no_part_of_the_strategy_reads_is_refused_naming_its_strategy(notebook):
+    for option, value, owner in (("tp_plan", {"blocks.*.inner": "colwise"}, "tp"), ("pp_split", ["blocks.1"], "pp"),
+                                 ("fsdp_units", ["Block"], "fsdp")):
+        config, inspection = _config(notebook, "ddp", **{option: value})
+        with pytest.raises(LabConfigError, match=rf"^{option} is a setting of {owner} \(.*\): add {owner} to the "
+                                                 rf"strategy, or drop {option}$"):
+            check_run(inspection, config)
+    config, inspection = _config(notebook, "fsdp", fsdp_units=["Block"])
+    check_run(inspection, config)  # read by the strategy: accepted
+
+
+def test_a_model_that_returns_its_cache_is_said_once_to_be_cut_without_it(notebook, capsys):
+    class Settings:
+        use_cache = True
+
+    config, inspection = _config(notebook, "pp", pp_split=["blocks.1", "blocks.2", "head"], global_batch=8)
+    assert check_run(inspection, config) == []  # no Hugging Face config: nothing changed, nothing said
+    inspection.network.config = Settings()
+    notes = check_run(inspection, config)
+    assert notes == ["labkit: Net is cut into pipeline stages with use_cache=False (its key/value cache is no tensor "
+                     "a pipeline passes); its config is left as it is"]
+    said: set[str] = set()
+    say_once(said, notes)
+    say_once(said, notes)
+    assert capsys.readouterr().out == notes[0] + "\n"
+
+
+def test_a_tp_plan_is_tried_on_the_meta_device_and_a_refusal_suggests_one_that_ran(notebook):
+    def gated(**settings):
+        settings, inspection = split_settings(dict(model=notebook["GatedNet"], data=notebook["make_batch"],
+                                                   **settings))
+        return inspection, resolve(4, strategy="tp", **settings)
+
+    suggestion = '{"blocks.*.gate": "colwise", "blocks.*.up": "colwise", "blocks.*.down": "rowwise"}'
+    with pytest.raises(LabConfigError) as refused:
+        check_run(*gated())
+    assert str(refused.value) == f"tp needs a plan for this model: pass tp_plan={suggestion}"
+    with pytest.raises(LabConfigError) as refused:
+        check_run(*gated(tp_plan={"blocks.*.up": "colwise", "blocks.*.gate": "rowwise"}))  # gate reads x, not up's
+    assert str(refused.value).startswith("tp_plan does not fit together: one rank's slice of GatedNet fails on the "
+                                         "meta device with RuntimeError: ")
+    assert str(refused.value).endswith(f"e.g. tp_plan={suggestion}")
+    assert check_run(*gated(tp_plan=json.loads(suggestion))) == []
 
 
 def test_a_checkpoint_records_the_models_identity_and_a_load_compares_it(notebook):

@@ -160,11 +160,14 @@ def test_an_unknown_style_is_refused_naming_it_and_the_known_ones():
         check_tp_plan(net(), {"blocks.*.attn.q": "columnwise"}, 2)
 
 
-def test_no_plan_is_refused_with_an_example_in_the_models_own_names():
+def test_no_plan_on_a_rank_is_refused_with_the_rule_in_words():
+    # The notebook refuses first, with a plan tried on the meta device (torch_support.tp_trial); a rank has no sample to
+    # try one on, so it suggests none it has not tried.
     with pytest.raises(ValueError) as refused:
         ModulePlan(net()).tp_plan()
-    assert str(refused.value) == ('tp needs a plan for this model: pass '
-                                  'tp_plan={"blocks.*.attn.q": "colwise", "blocks.*.attn.out": "rowwise"}')
+    assert str(refused.value) == ('tp needs a plan for this model: pass tp_plan={"<the Linear layers that read a '
+                                  'block\'s input>": "colwise", "<the Linear layer that reads their outputs>": '
+                                  '"rowwise"}')
 
 
 def test_a_pattern_that_names_no_module_is_refused_with_the_names_near_it():
@@ -372,6 +375,49 @@ def test_what_the_tracer_cannot_cut_is_refused_naming_the_alternative():
         ModulePlan(EarlyOutput(), pp_split=["blocks.1"], example_inputs=(x,)).split_stage(0, 2)
     with pytest.raises(ValueError, match="reads the model's input bias that the first stage does not take"):
         ModulePlan(LateInput(), pp_split=["blocks.1"], example_inputs=(x, torch.randn(3, 4))).split_stage(1, 2)
+
+
+class KeyValueCache:
+    """What a Hugging Face model returns beside its logits while its config says use_cache: no tensor."""
+
+
+class Settings:
+    def __init__(self) -> None:
+        self.use_cache = True
+
+
+class CachingNet(nn.Module):
+    """A Hugging Face-like model: it returns its cache with its output unless its config says use_cache=False."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.config, self.generation_config = Settings(), Settings()
+        self.blocks = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+
+    def forward(self, x):
+        out = self.blocks[1](self.blocks[0](x))
+        return (out, KeyValueCache()) if self.config.use_cache else out
+
+
+def test_a_model_that_returns_its_cache_is_traced_without_it_and_its_configs_are_left_as_they_were():
+    model, x = CachingNet(), torch.randn(3, 4)
+    plan = ModulePlan(model, pp_split=["blocks.1"], example_inputs=(x,))
+    first, last = plan.split_stage(0, 2), plan.split_stage(1, 2)
+    assert torch.allclose(last(first(x)), model.blocks[1](model.blocks[0](x)))
+    assert model.config.use_cache is True and model.generation_config.use_cache is True
+
+
+def test_a_llama_of_a_default_config_is_cut_into_stages():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2)
+    assert config.use_cache  # the default: the model returns its key/value cache
+    torch.manual_seed(0)
+    model, x = transformers.LlamaForCausalLM(config), tokens(vocab=128)
+    plan = ModulePlan(model, pp_split=["model.layers.1"], example_inputs=(x,))
+    first, last = plan.split_stage(0, 2), plan.split_stage(1, 2)
+    assert torch.allclose(model_output(last, last(*first(x))).logits, model(x).logits, atol=1e-5)
+    assert config.use_cache
 
 
 # -- why verify cannot hold -----------------------------------------------------------------------------------------
