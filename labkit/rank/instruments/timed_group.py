@@ -134,15 +134,18 @@ class TimedGroup(dist.ProcessGroup):
         self.collectives = 0  # operations every member takes part in (not send/recv): equal on all members
         self.in_flight: dict[int, tuple] = {}  # sequence -> (kind, bytes, issued at, work)
         self.waiting: int | None = None
+        self.entering: int | None = None  # the operation whose call has not answered yet
         self.stale: str | None = None
         self._p2p_batch: P2PBatch | None = None
         self._backend_name = inner.name()
         torch_internals.share_bound_device(self, inner)  # before the backends: registering one binds it
         # A group may have one backend per device type ("cpu:gloo,cuda:nccl"):
-        # register each under its own type, and make the GPU's the default.
+        # register each under its own type, and make the GPU's the default. Operations go through
+        # ``inner`` (checked there when collectives are checked); torch's C++ reads the registered
+        # backends for what they are, so a checker registers what it checks.
         default = None
         for device in torch_internals.device_types(inner):
-            backend = torch_internals.backend_of(inner, device)
+            backend = torch_internals.unchecked_backend(torch_internals.backend_of(inner, device))
             torch_internals.register_backend(self, device, _backend_type(backend), backend)
             if default is None or device.type == "cuda":
                 default = _backend_type(backend)
@@ -155,7 +158,7 @@ class TimedGroup(dist.ProcessGroup):
         self.inner = inner
         self.issued = self.collectives = 0
         self.in_flight = {}
-        self.waiting = None
+        self.waiting = self.entering = None
         self._p2p_batch = None
 
     def retire(self, reason: str) -> None:
@@ -163,7 +166,7 @@ class TimedGroup(dist.ProcessGroup):
         self.stale = reason
         self.inner = None
         self.in_flight = {}
-        self.waiting = None
+        self.waiting = self.entering = None
         self._p2p_batch = None
 
     def live(self) -> dist.ProcessGroup:
@@ -195,7 +198,20 @@ class TimedGroup(dist.ProcessGroup):
                 return batch.keep(kind, nbytes, call, tensors, args, kwargs)
             batch.post()  # what was kept goes first, in the order it was given
         token, sequence = self.begin_operation(kind, tensors, nbytes)
-        work = getattr(inner, call)(tensors, *args, **kwargs) if isinstance(call, str) else call(inner, tensors)
+        # The call itself may block: torch's collective checker (check_collectives) first meets every member
+        # on a group of its own, which a member that never calls the collective leaves waiting. Meanwhile the
+        # operation is in flight and waited for, with no work yet, so the notebook can name who never came.
+        self.in_flight[sequence] = (kind, nbytes, time.time(), None)
+        self.entering = self.waiting = sequence
+        try:
+            work = getattr(inner, call)(tensors, *args, **kwargs) if isinstance(call, str) else call(inner, tensors)
+        except BaseException:
+            self.in_flight.pop(sequence, None)
+            raise
+        finally:
+            self.entering = None
+            if self.waiting == sequence:
+                self.waiting = None
         return self.answer_for(kind, nbytes, token, sequence, work, tensors)
 
     def begin_operation(self, kind: str, tensors, nbytes: int = 0) -> tuple:
@@ -215,6 +231,7 @@ class TimedGroup(dist.ProcessGroup):
         if work is None:
             # nccl (torch 2.8 on) runs a synchronous collective on the caller's current stream and answers
             # no work: it is complete in stream order. torch's callers expect None back then.
+            self.in_flight.pop(sequence, None)
             if self.link is not None:
                 self.link.hold_stream(kind, nbytes, self.size(), tensors)
             recorder.ran_in_stream(kind, nbytes, token)
@@ -264,6 +281,8 @@ class TimedGroup(dist.ProcessGroup):
         """(sequence, kind, bytes, issued at) of every operation not completed yet; forgets the completed."""
         in_flight = self.in_flight
         for sequence, (_, _, _, work) in list(in_flight.items()):
+            if work is None:  # its call has not answered yet
+                continue
             try:
                 completed = work.is_completed()
             except Exception:  # noqa: BLE001 - a work of a cut group: it will never complete
