@@ -9,6 +9,7 @@ import signal
 import sys
 import threading
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -17,6 +18,8 @@ from labkit import Lab, LabConfigError, LabError, RankFailure
 from labkit.wire.entry import this_rank
 
 from tests.conftest import started_lab, wait_gone
+
+SCRIPTS = Path(__file__).parents[1] / "scripts"
 
 pytestmark = pytest.mark.lab
 
@@ -196,6 +199,17 @@ def test_a_skipped_collective_is_named_within_the_limit(pair):
     with pytest.raises(RankFailure, match=r"rank 1 finished while the others waited in a collective: it skipped"):
         pair.run_cell("if rank == 0:\n    dist.all_reduce(torch.ones(4))", timeout=5)
     assert time.monotonic() - began < 20
+
+
+def test_a_rank_that_terminates_itself_as_its_script_ends_is_told_and_replaced_before_the_next_call(pair):
+    # The engine stopped gracefully: the script was reported done, and the next call sometimes went to the
+    # rank still ending ("rank 1 died"). Rounds, because it was a race.
+    for _ in range(4):
+        ended = pair.cluster.pid_of[1]
+        with pytest.raises(RankFailure, match=r"rank 1 died(.|\n)*SIGTERM \(exit code -15\)"):
+            pair.run_script(SCRIPTS / "exits.py", "terminate")
+        assert pair.run_cell("rank") == ["0", "1"]
+        assert pair.cluster.pid_of[1] != ended
 
 
 def test_with_checked_collectives_a_mismatch_names_each_ranks_call():
