@@ -269,7 +269,9 @@ class Session:
         ``reason``: what the process groups of before say when used again (a default names the change)."""
         dropped, replaced, cut_off = split_broken(cluster, broken)
         kept = [rank for rank in cluster.ranks if rank not in broken]  # these keep their namespaces
-        parts = [f"rank {rank} {reason}" for rank, reason in sorted(broken.items())]
+        logs = {rank: cluster.keep_log(rank) for rank in replaced if broken[rank].startswith("exited")}
+        parts = [f"rank {rank} {reason}" + (f" (its log: {logs[rank]})" if logs.get(rank) else "")
+                 for rank, reason in sorted(broken.items())]
         if replaced:
             cluster.replace(replaced)
             parts.append(f"replaced {format_ranks(replaced)} with fresh processes")

@@ -33,6 +33,7 @@ from labkit.cluster.hosted.launchers import HostedControllerLauncher
 from labkit.cluster.launchers import LauncherChoice, choose_launcher, signal_one_engine
 from labkit.cluster.ssh_reach import ssh_reach_note
 from labkit.cluster.placement import RankPlan
+from labkit.cluster.rank_logs import keep_dead_log
 from labkit.cluster.workdir import WORKDIR_PREFIX, owner_only, remove_stale_workdirs, write_owner
 from labkit.spec.errors import LabError, StartupError, format_ranks
 from labkit.wire.entry import STARTUP_COMMAND
@@ -75,6 +76,14 @@ class RankCluster:
     def log_path(self, rank: int | None = None) -> str:
         name = "host.log" if rank is None else f"rank{rank}.log"
         return os.path.join(self.profile_dir, "log", name)
+
+    def keep_log(self, rank: int) -> str | None:
+        """Move an ended rank's log aside before a new process writes to its name; where it is now (None: no
+        log of its own on this machine). See ``rank_logs``."""
+        record = self.records.get(rank)
+        if self.workdir is None or not self.launcher.hosted or (record is not None and record.joined):
+            return None
+        return keep_dead_log(self.log_path(rank))
 
     def engine_connection(self) -> dict:
         """What an engine needs to reach the controller (its connection file, read once: it holds)."""
@@ -325,6 +334,8 @@ class RankCluster:
             raise LabError(f"{format_ranks(joined)} joined from another machine: the lab cannot restart them "
                            "(drop them with a heal, or run the join command there again)")
         self.signal(ranks, signal.SIGKILL)
+        for rank in ranks:  # the new process writes to the same name; a death already told moved it aside
+            self.keep_log(rank)
         retired = {rank: self.records.pop(rank) for rank in ranks}
         for record in retired.values():  # a set none of the ranks left uses is stopped
             self.retired_engines.add(record.engine)

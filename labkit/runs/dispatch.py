@@ -299,7 +299,9 @@ class RankWork:
         """The report of a rank whose process ended or that the controller lost (the hub says which)."""
         reason = reason or self.cluster.condition(rank) or "ended while it ran the work"
         error_type = "ProcessDied" if reason.startswith("exited") else "ProcessLost"
-        return _report(rank, FailureKind.DIED, error_type, f"the rank's process {reason}")
+        log = self.cluster.keep_log(rank) if error_type == "ProcessDied" else None  # its replacement writes anew
+        return _report(rank, FailureKind.DIED, error_type,
+                       f"the rank's process {reason}" + (f"\nits log: {log}" if log else ""))
 
     def _wait_until(self, deadline: float) -> None:
         next_liveness = time.monotonic() + LIVENESS_CHECK_SECONDS

@@ -5,6 +5,7 @@ Every test bounds its waits and checks that no process it caused is left.
 """
 
 import os
+import re
 import signal
 import sys
 import threading
@@ -192,6 +193,25 @@ def test_a_module_only_the_notebook_can_import_is_named_with_the_fix(pair, tmp_p
 def test_a_crash_in_native_code_says_which_signal_and_why(pair):
     with pytest.raises(RankFailure, match="SIGABRT .*collective whose tensor sizes"):
         pair.run_cell("import os\nif rank == 1:\n    os.abort()\ndist.barrier()", timeout=20)
+
+
+def test_a_rank_that_aborted_keeps_its_log_beside_its_replacements_and_the_error_names_it(pair, capsys):
+    for death in (1, 2):
+        with pytest.raises(RankFailure, match="SIGABRT") as caught:
+            pair.run_cell(f"import os\nif rank == 1:\n    os.write(2, b'why {death}\\n')\n    os.abort()", timeout=20)
+        text = "\n".join([str(caught.value), *getattr(caught.value, "__notes__", [])])
+        kept = re.search(r"its log: (\S+)", text).group(1)
+        assert kept.endswith(f"rank1.died-{death}.log")
+        with open(kept) as log:
+            assert f"why {death}" in log.read()
+    assert pair.run_cell("rank") == ["0", "1"]
+    with open(pair.cluster.log_path(1)) as log:
+        assert "why" not in log.read()  # the replacement's own
+    os.kill(pair.cluster.pid_of[1], signal.SIGABRT)  # while idle: the next call's note names it
+    time.sleep(1)
+    capsys.readouterr()
+    assert pair.run_cell("rank") == ["0", "1"]
+    assert re.search(r"rank 1 exited \(SIGABRT .*\(its log: \S+rank1\.died-3\.log\)", capsys.readouterr().out)
 
 
 def test_a_skipped_collective_is_named_within_the_limit(pair):
