@@ -16,6 +16,17 @@ import re
 KEPT_PER_RANK = 3
 
 
+def keep_rank_log(cluster, rank: int) -> str | None:
+    """Move ended ``rank``'s log aside before a new process writes to its name; where it is now (None: no log
+    of its own on this machine: another launcher's, or a joined rank's)."""
+    if getattr(cluster, "workdir", None) is None or not cluster.launcher.hosted:
+        return None
+    record = cluster.records.get(rank)
+    if record is not None and record.joined:
+        return None
+    return keep_dead_log(cluster.log_path(rank))
+
+
 def kept_name(log: str, number: int) -> str:
     """``rank1.log`` -> ``rank1.died-{number}.log``, in the same folder."""
     stem, extension = os.path.splitext(log)

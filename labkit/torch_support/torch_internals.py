@@ -295,20 +295,6 @@ def register_backend(group, device, backend_type, backend) -> None:
     group._register_backend(device, backend_type, backend)
 
 
-def unchecked_backend(backend):
-    """The backend that torch's collective checker (``TORCH_DISTRIBUTED_DEBUG=DETAIL``) wraps, or ``backend``
-    itself when it is not a checker.
-
-    torch's C++ takes a group's gloo backend to be gloo itself: DDP's constructor casts it to
-    ``ProcessGroupGloo`` to read its thread count, and reads past the checker's object (a segmentation
-    fault, also in torch's own ``init_process_group`` path, torch 2.13). A stand-in that runs every
-    collective through its real group (checked there) registers the gloo backend itself instead."""
-    checker = getattr(c10d, "_ProcessGroupWrapper", None)
-    if checker is not None and isinstance(backend, checker):
-        return backend.wrapped_pg
-    return backend
-
-
 def set_default_backend(group, backend_type) -> None:
     group._set_default_backend(backend_type)
 

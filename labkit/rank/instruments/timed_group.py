@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from labkit.rank.instruments.p2p_batch import P2PBatch
+from labkit.rank.instruments.timed_work import TimedWork
 from labkit.torch_support import torch_internals
 
 
@@ -51,58 +52,6 @@ def _device_type(value) -> str:
 
 class StaleGroupError(RuntimeError):
     """A process group that can no longer be used (its ranks changed, or it was destroyed); says why."""
-
-
-class TimedWork(dist.Work):
-    """Wraps a real work handle so its ``wait`` is seen: by the recorder, and by the group's bookkeeping.
-
-    Send and receive have no future: their completion is noted when ``wait``
-    returns. While a thread waits, the group says which of its operations it
-    waits for (``TimedGroup.waiting``): that is how a rank that waits in a
-    collective is told from one that computes.
-    """
-
-    def __init__(self, inner: dist.Work, recorder, on_done=None, group=None, sequence: int = 0) -> None:
-        super().__init__()
-        self.inner = inner
-        self.recorder = recorder
-        self.on_done = on_done
-        self.group = group
-        self.sequence = sequence
-
-    def wait(self, timeout=None) -> bool:
-        group = self.group
-        if group is not None:
-            group.waiting = self.sequence
-        try:
-            with self.recorder.waiting():
-                result = self.inner.wait() if timeout is None else self.inner.wait(timeout)
-        finally:
-            if group is not None and group.waiting == self.sequence:
-                group.waiting = None
-        if self.on_done is not None:
-            self.on_done()
-        elif group is not None:
-            group.in_flight.pop(self.sequence, None)  # completed: nothing told the group otherwise
-        return result
-
-    def is_completed(self) -> bool:
-        return self.inner.is_completed()
-
-    def is_success(self) -> bool:
-        return self.inner.is_success()
-
-    def exception(self):
-        return self.inner.exception()
-
-    def get_future(self):
-        return self.inner.get_future()
-
-    def result(self):
-        return self.inner.result()
-
-    def _source_rank(self) -> int:  # a receive from any source: who sent (torch's recv asks the work)
-        return torch_internals.work_source_rank(self.inner)
 
 
 class TimedGroup(dist.ProcessGroup):
@@ -140,12 +89,13 @@ class TimedGroup(dist.ProcessGroup):
         self._backend_name = inner.name()
         torch_internals.share_bound_device(self, inner)  # before the backends: registering one binds it
         # A group may have one backend per device type ("cpu:gloo,cuda:nccl"):
-        # register each under its own type, and make the GPU's the default. Operations go through
-        # ``inner`` (checked there when collectives are checked); torch's C++ reads the registered
-        # backends for what they are, so a checker registers what it checks.
+        # register each under its own type, and make the GPU's the default. Torch's collective checker
+        # (check_collectives) registers the backend it checks: torch's C++ casts a gloo backend to gloo
+        # (DDP's constructor; a checker there crashed every rank). Operations go through ``inner``, checked.
         default = None
         for device in torch_internals.device_types(inner):
-            backend = torch_internals.unchecked_backend(torch_internals.backend_of(inner, device))
+            backend = torch_internals.backend_of(inner, device)
+            backend = getattr(backend, "wrapped_pg", backend)
             torch_internals.register_backend(self, device, _backend_type(backend), backend)
             if default is None or device.type == "cuda":
                 default = _backend_type(backend)

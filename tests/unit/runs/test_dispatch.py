@@ -112,10 +112,6 @@ class FakeCluster:
         code = self.host.exit_codes.get(self.pid_of.get(rank)) if self.host else None
         return f"exited ({describe_exit(code)})"
 
-    def keep_log(self, rank):
-        """As ``RankCluster.keep_log``: where the ended rank's log was moved aside."""
-        return f"/lab/log/rank{rank}.died-1.log"
-
     def signal(self, ranks, sig):
         self.signals.append((time.monotonic() - self.started, sorted(ranks), sig))
         if sig == signal.SIGINT:
@@ -232,7 +228,6 @@ def test_a_rank_whose_process_dies_is_reported_died(monkeypatch):
     assert reports[1]["ok"] is False and reports[1]["rank"] == 1
     assert (reports[1]["error"]["kind"], reports[1]["error"]["type"]) == ("died", "ProcessDied")
     assert "SIGKILL (exit code -9)" in reports[1]["error"]["message"]
-    assert reports[1]["error"]["message"].endswith("\nits log: /lab/log/rank1.died-1.log")  # moved aside, named
     assert 0 not in cluster.alive_checks  # only ranks still pending are checked
     assert cluster.signals == [] and cluster.replaced == []
     assert work.failed and not work.timed_out
