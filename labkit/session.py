@@ -33,7 +33,7 @@ from labkit.runs.dispatch import RankWork, make_output
 from labkit.runs.healing import Interrupted, TrainingRecord
 from labkit.runs.holder import RunHolder
 from labkit.runs.notebook_process import NotebookProcess
-from labkit.runs.recovery import dropped_notes, recover, split_broken, stale_reason, unusable_note
+from labkit.runs.recovery import dropped_notes, recover, split_broken, stale_reason, unusable_note, with_kept_logs
 from labkit.runs.sources import notebook_sources
 from labkit.spec.call_arguments import chosen_ranks
 from labkit.wire import entry
@@ -175,10 +175,8 @@ class Session:
         cluster = self.require_running()
         holder = self._holder
         if holder is not None and not holder.done:
-            raise LabBusy(
-                f"a training run is in progress ({holder.status()}): "
-                "wait for it (run.wait()) or stop it (run.stop(), or its Stop button) first"
-            )
+            raise LabBusy(f"a training run is in progress ({holder.status()}): "
+                          "wait for it (run.wait()) or stop it (run.stop(), or its Stop button) first")
         return cluster
 
     def claim(self, holder: RunHolder) -> None:
@@ -251,7 +249,7 @@ class Session:
         problem = cluster.infrastructure_problem()
         if problem:
             raise LabError(f"{problem}: the lab cannot go on; call lab.restart() (or %lab restart) for fresh ranks")
-        broken = cluster.broken_ranks()
+        broken = cluster.broken_ranks(ask_joined=True)  # a frozen joined rank: dropped before the call
         joining = cluster.joiners()
         if not broken and not joining:
             return None
@@ -269,6 +267,7 @@ class Session:
         ``reason``: what the process groups of before say when used again (a default names the change)."""
         dropped, replaced, cut_off = split_broken(cluster, broken)
         kept = [rank for rank in cluster.ranks if rank not in broken]  # these keep their namespaces
+        broken = with_kept_logs(cluster, broken, replaced)  # before their replacements write to the same names
         parts = [f"rank {rank} {reason}" for rank, reason in sorted(broken.items())]
         if replaced:
             cluster.replace(replaced)

@@ -11,7 +11,9 @@ controller, so the joining machine opens no port for it; gloo and nccl do open
 ports between ranks, which every host must reach. ipyparallel's nanny runs
 beside the engine, so the lab can interrupt or stop it like any other rank.
 The engine becomes a rank at the lab's next ``start`` or ``heal``; it ends when
-the lab stops, when the lab is gone for ~10 s, or on Ctrl-C here.
+the lab stops, when the lab is gone for ~10 s, or on Ctrl-C here. The command's
+temporary folder goes with it (Ctrl-C, SIGTERM, SIGHUP); after a SIGKILL, the
+next join command or lab started on the machine removes it.
 """
 
 from __future__ import annotations
@@ -24,13 +26,17 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 
+from labkit.cluster.workdir import remove_stale_workdirs, write_owner
 from labkit.spec.errors import LabConfigError
 from labkit.spec.network import LOOPBACK_ADDRESS, ipv4_addresses
 from labkit.wire.entry import STARTUP_COMMAND
 
 REGISTRATION_SECONDS = 20.0  # a controller across a network may answer slowly; a stale command fails then
 REGISTRATION_FAILED = 255  # ipyparallel's engine exits so when the controller never answered
+# Past the controller's ~2.4 s without heartbeats: it dropped a frozen engine, which can never be a rank again.
+FROZEN_SECONDS = 5.0
 
 
 def encode_token(connection: dict) -> str:
@@ -80,10 +86,38 @@ def _end_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
 
 
+def _wait_ending_frozen(process: subprocess.Popen) -> int:
+    """Wait for the engine to end; one frozen (SIGSTOP) for ``FROZEN_SECONDS`` is ended: the lab dropped it, and
+    frozen it would never leave, nor would this command. Its exit code."""
+    import psutil
+
+    stopped_since = None
+    while True:
+        try:
+            return process.wait(0.5)
+        except subprocess.TimeoutExpired:
+            pass
+        try:
+            stopped = psutil.Process(process.pid).status() == psutil.STATUS_STOPPED
+        except psutil.Error:
+            stopped = False
+        if not stopped:
+            stopped_since = None
+        elif stopped_since is None:
+            stopped_since = time.monotonic()
+        elif time.monotonic() - stopped_since >= FROZEN_SECONDS:
+            print(f"labkit: the engine was frozen for {FROZEN_SECONDS:g} s (the lab has dropped it): ending it",
+                  flush=True)
+            process.kill()
+            stopped_since = None
+
+
 def run_joined_engine(token: str, interface: str | None = None) -> int:
     """Run an engine that joins the lab of ``token`` until it ends; its exit code."""
     connection = decode_token(token)
+    remove_stale_workdirs()  # the folders of join commands (and labs) killed with SIGKILL here before
     profile_dir = tempfile.mkdtemp(prefix="labkit-join-")  # private (0700), removed at the end
+    write_owner(profile_dir)  # stale once this command is gone, however it went
     env = dict(os.environ, IPP_CONNECTION_INFO=json.dumps(connection), LABKIT_SLOT="joined")
     if interface:
         env["LABKIT_INTERFACE"] = interface
@@ -94,9 +128,10 @@ def run_joined_engine(token: str, interface: str | None = None) -> int:
     # is killed: ending the join command, however it ends, ends the engine.
     process = subprocess.Popen(engine_command(profile_dir), env=env, preexec_fn=_end_with_parent)
     leave = lambda _signum, _frame: process.terminate()  # noqa: E731 - Ctrl-C: the engine leaves the lab
-    previous = {sig: signal.signal(sig, leave) for sig in (signal.SIGINT, signal.SIGTERM)}
+    # Ctrl-C, kill, and the terminal closing (SIGHUP) all end the engine and remove the folder below.
+    previous = {sig: signal.signal(sig, leave) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
-        code = process.wait()
+        code = _wait_ending_frozen(process)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

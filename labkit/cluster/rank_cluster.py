@@ -32,6 +32,7 @@ from labkit.cluster.hosted.host_client import HostError, ProcessHost
 from labkit.cluster.hosted.launchers import HostedControllerLauncher
 from labkit.cluster.launchers import LauncherChoice, choose_launcher, signal_one_engine
 from labkit.cluster.ssh_reach import ssh_reach_note
+from labkit.cluster.joined_liveness import hear_from_joined, quiet_late_replies
 from labkit.cluster.placement import RankPlan
 from labkit.cluster.workdir import WORKDIR_PREFIX, owner_only, remove_stale_workdirs, write_owner
 from labkit.spec.errors import LabError, StartupError, format_ranks
@@ -125,11 +126,9 @@ class RankCluster:
             engine_launcher_class=self.launcher.engine_class,
             config=self.launcher.config(),
             send_engines_connection_env=True,  # engines elsewhere need no file from this machine
-            delay=0,
-            cluster_file="",
+            delay=0, cluster_file="",
             shutdown_atexit=False,  # the Lab stops the cluster itself, host included
-            log=self.log,
-            engine_timeout=int(self.start_timeout),
+            log=self.log, engine_timeout=int(self.start_timeout),
         )
         self.cluster.start_controller_sync(host=self.host, spawn_timeout=self._left(deadline))
         self._reached("controller started")
@@ -137,7 +136,7 @@ class RankCluster:
             self.capabilities = health.check_capabilities(self, self._left(deadline))
             self._reached("torch imported (process host)")
         self._launch(list(range(self.plan.ranks)), deadline)
-        self.client = self.cluster.connect_client_sync()
+        self.client = quiet_late_replies(self.cluster.connect_client_sync())
         engines = self._wait_for_engines(self.plan.ranks, deadline) + self._first_joiners(deadline)
         self._reached("engines registered")
         self._assign(engines, list(range(len(engines))), deadline)
@@ -272,8 +271,10 @@ class RankCluster:
     def infrastructure_problem(self) -> str | None:
         return health.infrastructure_problem(self)
 
-    def broken_ranks(self) -> dict[int, str]:
-        """Every rank that cannot work, with the reason."""
+    def broken_ranks(self, ask_joined: bool = False) -> dict[int, str]:
+        """Every rank that cannot work, with the reason; ``ask_joined``: joined ranks answer first (before a call)."""
+        if ask_joined:
+            hear_from_joined(self)
         return {rank: reason for rank in self.ranks if (reason := self.condition(rank)) is not None}
 
     def signal(self, ranks, signum: int = signal.SIGINT) -> None:

@@ -18,6 +18,7 @@ import contextlib
 import ipaddress
 import os
 import random
+import signal
 
 import torch
 
@@ -59,6 +60,16 @@ def torchrun_environment(rank: int, world_size: int, master_addr: str, master_po
         "TORCHELASTIC_USE_AGENT_STORE": "True",
         "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT",
     }
+
+
+def end_at_sigterm() -> None:
+    """SIGTERM ends this rank at once, as it ends a torchrun worker (Python's default); main thread only.
+
+    The ipyparallel engine stops gracefully instead: the work in hand (a script that terminated
+    itself) still reported success, and the process stayed alive for a moment after, so a call made
+    meanwhile went to a rank about to vanish ("rank 1 died"). Ended at once, the work is reported
+    as terminated, and the process host sees the exit before the next call."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _is_loopback(address: str) -> bool:

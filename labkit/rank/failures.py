@@ -27,6 +27,9 @@ _COLLATERAL_MARKERS = (
     "Broken pipe",
     "NCCL communicator was aborted",
 )
+# torch's collective checker (check_collectives) meets every member before each collective: a member that
+# never came (it skipped the collective, or the lab released the waiting rank) fails the rank with this.
+_CHECKER_MARKER = "failed to pass monitoredBarrier"
 
 _FINGERPRINT = re.compile(r"Rank (\d+) is running collective: CollectiveFingerPrint\(SequenceNumber=(\d+), "
                           r"OpType=(\w+), TensorShape=\[([^\]]*)\], TensorDtypes=(\w+)")
@@ -48,7 +51,7 @@ def classify_error(error: BaseException) -> str:
         return FailureKind.INTERRUPTED
     text = str(error)
     distributed_error = isinstance(error, getattr(dist, "DistError", ())) or "gloo" in text or "c10d" in text
-    if distributed_error and any(marker in text for marker in _COLLATERAL_MARKERS):
+    if distributed_error and any(marker in text for marker in _COLLATERAL_MARKERS) or _CHECKER_MARKER in text:
         return FailureKind.COLLECTIVE
     return FailureKind.RAISED
 

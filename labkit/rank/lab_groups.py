@@ -218,5 +218,5 @@ class LabGroups:
         return {recipe.name: {"ranks": list(recipe.ranks), "issued": handle.issued,
                               "collectives": handle.collectives,
                               "in_flight": [list(item) for item in handle.pending()],
-                              "waiting": handle.waiting}
+                              "waiting": handle.waiting, "entering": handle.entering}
                 for handle, recipe in list(self.handles.items()) if handle.stale is None}

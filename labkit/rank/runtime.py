@@ -34,8 +34,8 @@ import torch.distributed as dist
 from labkit.rank.context import RankContext
 from labkit.rank.debugger import RankDebugging
 from labkit.rank.displays import RankDisplays
-from labkit.rank.environment import (device_name, process_group_backend, seed_as_asked, seed_independently,
-                                     nccl_seconds, torchrun_environment)
+from labkit.rank.environment import (device_name, end_at_sigterm, process_group_backend, seed_as_asked,
+                                     seed_independently, nccl_seconds, torchrun_environment)
 from labkit.rank.failures import error_info
 from labkit.rank.instruments.recorders import recorder_for
 from labkit.rank.lab_groups import LabGroups
@@ -93,6 +93,7 @@ class RankRuntime(RankContext):
         if self.backend == "nccl":
             torch.cuda.set_device(self.device)
         seed_independently()  # forked ranks would otherwise share the host's random state
+        end_at_sigterm()
         if settings["check_collectives"]:
             # torch checks every collective's kind, shapes and dtypes across ranks before running it
             # (one more small collective each) and names the ranks that differ.

@@ -17,7 +17,8 @@ a sample that lags behind cannot raise a false alarm:
 1. never joined: a rank has collective k of group G in flight (or waits in it), and a
    member of G that finished, or is not in the work, issued fewer than k on G;
 2. mismatch: members have collective k of G in flight as different kinds (or sizes,
-   where every member's size is the same);
+   where every member's size is the same); not while torch's collective checker holds the
+   calls (``entering``): it names the mismatch itself;
 3. all blocked: every running rank waits in a collective, and in none of them have
    all members arrived; held over two reads at least ``BLOCKED_SECONDS`` apart;
 4. stranded: a rank waits in collective k of G that every other member completed (they
@@ -56,6 +57,7 @@ class InFlight:
     nbytes: int
     since: float  # the rank's time.time() when it was issued
     waited: bool  # the rank's thread waits for it
+    entering: bool = False  # its call has not answered: torch's collective checker holds it until all members come
 
 
 @dataclass
@@ -87,7 +89,7 @@ def in_flight(rank: int, groups: dict | None) -> list[InFlight]:
             at_least = group["collectives"] - later_collectives - completed_later
             found.append(InFlight(rank, name, tuple(group["ranks"]), sequence,
                                   at_least if completed_later == 0 else None, at_least, kind, nbytes, since,
-                                  group.get("waiting") == sequence))
+                                  group.get("waiting") == sequence, group.get("entering") == sequence))
     return found
 
 
@@ -185,7 +187,8 @@ def mismatched(states: dict, finished: dict, now: float) -> Deadlock | None:
     sources += [(rank, {}, report.get("groups")) for rank, report in finished.items()]
     for rank, state, groups in sorted(sources, key=lambda source: source[0]):
         for item in in_flight(rank, groups):
-            if item.number is not None:
+            # A call the checker holds: it names a mismatch itself, with each rank's shapes.
+            if item.number is not None and not item.entering:
                 by_number.setdefault((item.group, item.number), []).append((state, item))
     for (group, number), calls in sorted(by_number.items()):
         kinds = {item.kind for _, item in calls}

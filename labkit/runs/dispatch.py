@@ -39,6 +39,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
+from labkit.cluster.rank_logs import keep_rank_log
 from labkit.cluster.rank_whereabouts import WhereaboutsReader
 from labkit.runs.deadlock import DeadlockWatch, in_flight, transfers_waited
 from labkit.runs.debugging import BreakpointDesk
@@ -299,6 +300,8 @@ class RankWork:
         """The report of a rank whose process ended or that the controller lost (the hub says which)."""
         reason = reason or self.cluster.condition(rank) or "ended while it ran the work"
         error_type = "ProcessDied" if reason.startswith("exited") else "ProcessLost"
+        if error_type == "ProcessDied" and (log := keep_rank_log(self.cluster, rank)):  # before a new one writes
+            reason += f"\nits log: {log}"
         return _report(rank, FailureKind.DIED, error_type, f"the rank's process {reason}")
 
     def _wait_until(self, deadline: float) -> None:
@@ -331,12 +334,8 @@ class RankWork:
             return
         stuck = sorted(self.pending)
         for rank in stuck:
-            self.reports[rank] = _report(
-                rank,
-                FailureKind.INTERRUPTED,
-                "Unresponsive",
-                f"did not respond to an interrupt within {self.interrupt_grace:g} s; its process was replaced",
-            )
+            self.reports[rank] = _report(rank, FailureKind.INTERRUPTED, "Unresponsive", "did not respond to an "
+                                         f"interrupt within {self.interrupt_grace:g} s; its process was replaced")
         self.pending.clear()
         self.cluster.replace(stuck)
         self.replaced = stuck

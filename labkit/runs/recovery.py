@@ -24,6 +24,14 @@ if TYPE_CHECKING:  # for annotations only: the session is a layer above, and thi
     from labkit.session import Session
 
 
+def with_kept_logs(cluster, broken: dict[int, str], replaced: list[int]) -> dict[int, str]:
+    """``broken``'s reasons, each rank that exited and is replaced with where its log is kept now (``rank_logs``)."""
+    from labkit.cluster.rank_logs import keep_rank_log
+
+    logs = {rank: keep_rank_log(cluster, rank) for rank in replaced if broken[rank].startswith("exited")}
+    return {rank: reason + (f" (its log: {logs[rank]})" if logs.get(rank) else "") for rank, reason in broken.items()}
+
+
 def split_broken(cluster, broken) -> tuple[list[int], list[int], dict[int, str]]:
     """The ``broken`` ranks a repair drops (joined from elsewhere, or on a host ssh no longer reaches: those
     with why), and those it replaces with fresh processes."""

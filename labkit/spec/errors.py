@@ -63,7 +63,7 @@ _SIGNAL_CAUSES = {
     "SIGKILL": "killed: by someone (kill -9, %lab kill) or by the kernel's out-of-memory killer",
     "SIGABRT": "aborted by torch's C++ code: commonly a collective whose tensor sizes, dtypes or order "
                "differ between ranks (start the lab with check_collectives=True to have the mismatch "
-               "named), or a failed internal check; the rank's log has the reason",
+               "named), or a failed internal check; its log has the reason",
     "SIGSEGV": "crashed (segmentation fault) in native code",
     "SIGBUS": "crashed (bus error): often shared memory (/dev/shm) running out",
     "SIGTERM": "terminated by a signal asking it to end",

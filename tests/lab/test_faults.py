@@ -5,10 +5,12 @@ Every test bounds its waits and checks that no process it caused is left.
 """
 
 import os
+import re
 import signal
 import sys
 import threading
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -17,6 +19,8 @@ from labkit import Lab, LabConfigError, LabError, RankFailure
 from labkit.wire.entry import this_rank
 
 from tests.conftest import started_lab, wait_gone
+
+SCRIPTS = Path(__file__).parents[1] / "scripts"
 
 pytestmark = pytest.mark.lab
 
@@ -191,11 +195,41 @@ def test_a_crash_in_native_code_says_which_signal_and_why(pair):
         pair.run_cell("import os\nif rank == 1:\n    os.abort()\ndist.barrier()", timeout=20)
 
 
+def test_a_rank_that_aborted_keeps_its_log_beside_its_replacements_and_the_error_names_it(pair, capsys):
+    for death in (1, 2):
+        with pytest.raises(RankFailure, match="SIGABRT") as caught:
+            pair.run_cell(f"import os\nif rank == 1:\n    os.write(2, b'why {death}\\n')\n    os.abort()", timeout=20)
+        text = "\n".join([str(caught.value), *getattr(caught.value, "__notes__", [])])
+        kept = re.search(r"its log: (\S+)", text).group(1)
+        assert kept.endswith(f"rank1.died-{death}.log")
+        with open(kept) as log:
+            assert f"why {death}" in log.read()
+    assert pair.run_cell("rank") == ["0", "1"]
+    with open(pair.cluster.log_path(1)) as log:
+        assert "why" not in log.read()  # the replacement's own
+    os.kill(pair.cluster.pid_of[1], signal.SIGABRT)  # while idle: the next call's note names it
+    time.sleep(1)
+    capsys.readouterr()
+    assert pair.run_cell("rank") == ["0", "1"]
+    assert re.search(r"rank 1 exited \(SIGABRT .*\(its log: \S+rank1\.died-3\.log\)", capsys.readouterr().out)
+
+
 def test_a_skipped_collective_is_named_within_the_limit(pair):
     began = time.monotonic()
     with pytest.raises(RankFailure, match=r"rank 1 finished while the others waited in a collective: it skipped"):
         pair.run_cell("if rank == 0:\n    dist.all_reduce(torch.ones(4))", timeout=5)
     assert time.monotonic() - began < 20
+
+
+def test_a_rank_that_terminates_itself_as_its_script_ends_is_told_and_replaced_before_the_next_call(pair):
+    # The engine stopped gracefully: the script was reported done, and the next call sometimes went to the
+    # rank still ending ("rank 1 died"). Rounds, because it was a race.
+    for _ in range(4):
+        ended = pair.cluster.pid_of[1]
+        with pytest.raises(RankFailure, match=r"rank 1 died(.|\n)*SIGTERM \(exit code -15\)"):
+            pair.run_script(SCRIPTS / "exits.py", "terminate")
+        assert pair.run_cell("rank") == ["0", "1"]
+        assert pair.cluster.pid_of[1] != ended
 
 
 def test_with_checked_collectives_a_mismatch_names_each_ranks_call():

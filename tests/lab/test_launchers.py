@@ -162,6 +162,63 @@ def test_a_joined_rank_lost_while_idle_is_dropped_by_the_next_call_and_its_folde
             joiner.kill()
 
 
+def test_a_joined_rank_frozen_while_idle_is_dropped_before_the_next_call_and_a_late_reply_is_one_line(capsys):
+    import os
+
+    lab = Lab(ranks=2, timeout=30)
+    joiner = None
+    try:
+        lab.start()
+        joiner = subprocess.Popen(shlex.split(lab.join_command(python=sys.executable)), stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True)
+        assert wait_for(lambda: lab.session.heal() is not None, 60) and lab.world_size == 3
+        frozen = lab.cluster.records[2].pid
+        os.kill(frozen, signal.SIGSTOP)
+        capsys.readouterr()
+        # At once, as for a frozen rank of this machine: the call waits for the controller's verdict, the heal
+        # before it drops the rank, and the call runs on the ranks left (it failed, and the one after worked).
+        assert lab.run_cell("rank") == ["0", "1"]
+        assert "rank 2 was dropped by the controller" in capsys.readouterr().out
+        os.kill(frozen, signal.SIGCONT)  # it answers the request it could not answer frozen
+        assert wait_for(lambda: "late reply" in capsys.readouterr().out, 10)
+        assert lab.run_cell("rank") == ["0", "1"]
+        said = capsys.readouterr().out
+        assert "got stale result" not in said and "apply_reply" not in said  # ipyparallel's raw prints
+    finally:
+        lab.stop()
+        if joiner is not None and joiner.poll() is None:
+            joiner.kill()
+
+
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGINT", "SIGHUP", "SIGKILL", "frozen engine"])
+def test_a_join_command_ended_any_way_leaves_no_folder(tmp_path, how):
+    import os
+
+    from labkit.cluster.workdir import remove_stale_workdirs
+
+    lab = Lab(ranks=1, timeout=30)
+    joiner = None
+    try:
+        lab.start()
+        joiner = subprocess.Popen(shlex.split(lab.join_command(python=sys.executable)), stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.DEVNULL, env=dict(os.environ, TMPDIR=str(tmp_path)))
+        assert wait_for(lambda: lab.session.heal() is not None, 60) and lab.world_size == 2
+        assert len(list(tmp_path.glob("labkit-join-*"))) == 1
+        if how == "frozen engine":  # nobody resumes it: the join command ends it, and itself
+            os.kill(lab.cluster.records[1].pid, signal.SIGSTOP)
+        else:
+            joiner.send_signal(getattr(signal, how))
+        assert joiner.wait(20) is not None
+        if how == "SIGKILL":  # nothing runs to clean up: the next join command or lab on the machine does
+            assert len(list(tmp_path.glob("labkit-join-*"))) == 1
+            remove_stale_workdirs(str(tmp_path))
+        assert list(tmp_path.glob("labkit-join-*")) == []
+    finally:
+        lab.stop()
+        if joiner is not None and joiner.poll() is None:
+            joiner.kill()
+
+
 def test_a_joined_engine_is_asked_to_leave_when_the_lab_stops():
     lab = Lab(ranks=1, timeout=30)
     joiner = None

@@ -1,4 +1,5 @@
-"""Exits as scripts do: exit(), sys.exit(0), sys.exit(code) on one rank; argv, __name__ and sys.path."""
+"""Exits as scripts do: exit(), sys.exit(0), sys.exit(code) on one rank, SIGTERM to itself at the end on one
+rank; argv, __name__ and sys.path."""
 import os
 import sys
 
@@ -21,3 +22,7 @@ elif mode == "nccl":
 elif mode == "raise" and rank == 2:
     raise ValueError("a mistake in the script")
 print("end of script")
+if mode == "terminate" and rank == 1:  # as a job's end would, the instant the script is done
+    import signal
+
+    os.kill(os.getpid(), signal.SIGTERM)

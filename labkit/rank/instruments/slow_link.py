@@ -38,7 +38,8 @@ import torch
 import torch.distributed as dist
 
 from labkit.rank.instruments.gpu_delay import StreamDelay
-from labkit.rank.instruments.timed_group import TimedWork, instrument_mesh
+from labkit.rank.instruments.timed_group import instrument_mesh
+from labkit.rank.instruments.timed_work import TimedWork
 
 
 class QuietRecorder:

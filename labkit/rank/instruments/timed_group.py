@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from labkit.rank.instruments.p2p_batch import P2PBatch
+from labkit.rank.instruments.timed_work import TimedWork
 from labkit.torch_support import torch_internals
 
 
@@ -51,58 +52,6 @@ def _device_type(value) -> str:
 
 class StaleGroupError(RuntimeError):
     """A process group that can no longer be used (its ranks changed, or it was destroyed); says why."""
-
-
-class TimedWork(dist.Work):
-    """Wraps a real work handle so its ``wait`` is seen: by the recorder, and by the group's bookkeeping.
-
-    Send and receive have no future: their completion is noted when ``wait``
-    returns. While a thread waits, the group says which of its operations it
-    waits for (``TimedGroup.waiting``): that is how a rank that waits in a
-    collective is told from one that computes.
-    """
-
-    def __init__(self, inner: dist.Work, recorder, on_done=None, group=None, sequence: int = 0) -> None:
-        super().__init__()
-        self.inner = inner
-        self.recorder = recorder
-        self.on_done = on_done
-        self.group = group
-        self.sequence = sequence
-
-    def wait(self, timeout=None) -> bool:
-        group = self.group
-        if group is not None:
-            group.waiting = self.sequence
-        try:
-            with self.recorder.waiting():
-                result = self.inner.wait() if timeout is None else self.inner.wait(timeout)
-        finally:
-            if group is not None and group.waiting == self.sequence:
-                group.waiting = None
-        if self.on_done is not None:
-            self.on_done()
-        elif group is not None:
-            group.in_flight.pop(self.sequence, None)  # completed: nothing told the group otherwise
-        return result
-
-    def is_completed(self) -> bool:
-        return self.inner.is_completed()
-
-    def is_success(self) -> bool:
-        return self.inner.is_success()
-
-    def exception(self):
-        return self.inner.exception()
-
-    def get_future(self):
-        return self.inner.get_future()
-
-    def result(self):
-        return self.inner.result()
-
-    def _source_rank(self) -> int:  # a receive from any source: who sent (torch's recv asks the work)
-        return torch_internals.work_source_rank(self.inner)
 
 
 class TimedGroup(dist.ProcessGroup):
@@ -134,15 +83,19 @@ class TimedGroup(dist.ProcessGroup):
         self.collectives = 0  # operations every member takes part in (not send/recv): equal on all members
         self.in_flight: dict[int, tuple] = {}  # sequence -> (kind, bytes, issued at, work)
         self.waiting: int | None = None
+        self.entering: int | None = None  # the operation whose call has not answered yet
         self.stale: str | None = None
         self._p2p_batch: P2PBatch | None = None
         self._backend_name = inner.name()
         torch_internals.share_bound_device(self, inner)  # before the backends: registering one binds it
         # A group may have one backend per device type ("cpu:gloo,cuda:nccl"):
-        # register each under its own type, and make the GPU's the default.
+        # register each under its own type, and make the GPU's the default. Torch's collective checker
+        # (check_collectives) registers the backend it checks: torch's C++ casts a gloo backend to gloo
+        # (DDP's constructor; a checker there crashed every rank). Operations go through ``inner``, checked.
         default = None
         for device in torch_internals.device_types(inner):
             backend = torch_internals.backend_of(inner, device)
+            backend = getattr(backend, "wrapped_pg", backend)
             torch_internals.register_backend(self, device, _backend_type(backend), backend)
             if default is None or device.type == "cuda":
                 default = _backend_type(backend)
@@ -155,7 +108,7 @@ class TimedGroup(dist.ProcessGroup):
         self.inner = inner
         self.issued = self.collectives = 0
         self.in_flight = {}
-        self.waiting = None
+        self.waiting = self.entering = None
         self._p2p_batch = None
 
     def retire(self, reason: str) -> None:
@@ -163,7 +116,7 @@ class TimedGroup(dist.ProcessGroup):
         self.stale = reason
         self.inner = None
         self.in_flight = {}
-        self.waiting = None
+        self.waiting = self.entering = None
         self._p2p_batch = None
 
     def live(self) -> dist.ProcessGroup:
@@ -195,7 +148,20 @@ class TimedGroup(dist.ProcessGroup):
                 return batch.keep(kind, nbytes, call, tensors, args, kwargs)
             batch.post()  # what was kept goes first, in the order it was given
         token, sequence = self.begin_operation(kind, tensors, nbytes)
-        work = getattr(inner, call)(tensors, *args, **kwargs) if isinstance(call, str) else call(inner, tensors)
+        # The call itself may block: torch's collective checker (check_collectives) first meets every member
+        # on a group of its own, which a member that never calls the collective leaves waiting. Meanwhile the
+        # operation is in flight and waited for, with no work yet, so the notebook can name who never came.
+        self.in_flight[sequence] = (kind, nbytes, time.time(), None)
+        self.entering = self.waiting = sequence
+        try:
+            work = getattr(inner, call)(tensors, *args, **kwargs) if isinstance(call, str) else call(inner, tensors)
+        except BaseException:
+            self.in_flight.pop(sequence, None)
+            raise
+        finally:
+            self.entering = None
+            if self.waiting == sequence:
+                self.waiting = None
         return self.answer_for(kind, nbytes, token, sequence, work, tensors)
 
     def begin_operation(self, kind: str, tensors, nbytes: int = 0) -> tuple:
@@ -215,6 +181,7 @@ class TimedGroup(dist.ProcessGroup):
         if work is None:
             # nccl (torch 2.8 on) runs a synchronous collective on the caller's current stream and answers
             # no work: it is complete in stream order. torch's callers expect None back then.
+            self.in_flight.pop(sequence, None)
             if self.link is not None:
                 self.link.hold_stream(kind, nbytes, self.size(), tensors)
             recorder.ran_in_stream(kind, nbytes, token)
@@ -264,6 +231,8 @@ class TimedGroup(dist.ProcessGroup):
         """(sequence, kind, bytes, issued at) of every operation not completed yet; forgets the completed."""
         in_flight = self.in_flight
         for sequence, (_, _, _, work) in list(in_flight.items()):
+            if work is None:  # its call has not answered yet
+                continue
             try:
                 completed = work.is_completed()
             except Exception:  # noqa: BLE001 - a work of a cut group: it will never complete

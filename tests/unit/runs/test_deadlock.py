@@ -107,6 +107,18 @@ def test_sizes_differ_as_a_mismatch_only_where_every_member_has_the_same_size():
     assert find_deadlock(uneven, {}, now=NOW) is None
 
 
+def test_calls_torchs_collective_checker_holds_are_not_compared_and_a_rank_that_never_came_is_named():
+    # check_collectives: the checker holds each call until every member made it, and names a mismatch itself.
+    def held(nbytes):
+        groups = waiting_in("all_reduce", 3, nbytes=nbytes)
+        groups["0"]["entering"] = 3
+        return state(groups)
+
+    assert find_deadlock({0: held(40), 1: held(80)}, {}, now=NOW) is None
+    found = find_deadlock({0: held(40)}, {1: finished({"0": group((0, 1), 2)})}, work_ranks=[0, 1], now=NOW)
+    assert found.rule == "never joined" and found.lines[0].startswith("rank 0 waits in all_reduce (collective 3")
+
+
 def test_sends_and_receives_after_a_collective_blur_its_number_and_nothing_is_compared():
     # Two operations completed after the all-reduce: sends or collectives, nobody knows.
     blurred = {"0": group((0, 1), 3, [(3, "all_reduce", 4, SAMPLED)], issued=5)}

@@ -137,6 +137,14 @@ def test_a_rank_tells_its_own_failure_from_one_a_peer_caused():
     assert classify_error(ConnectionError("Connection closed by peer")) == "raised"
 
 
+def test_a_rank_that_torchs_collective_checker_left_waiting_failed_because_of_its_peers():
+    from labkit.rank.failures import classify_error
+
+    # check_collectives: the checker's meeting before the collective, which the peers never came to.
+    assert classify_error(RuntimeError("[Rank 0]: Ranks 1, 2 failed to pass monitoredBarrier in 60000 ms")) == \
+        "collective"
+
+
 def test_a_rank_report_starts_at_the_users_code_and_says_what_to_do():
     from labkit.rank.failures import error_info
 
