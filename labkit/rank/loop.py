@@ -35,7 +35,7 @@ from labkit.rank.instruments.run_instruments import instruments_for
 from labkit.rank.instruments.step_timer import StepTimer
 from labkit.rank.lab_traffic import control_tensor
 from labkit.rank.memory import estimated_bytes, local_bytes, memory_bytes
-from labkit.rank.nonfinite import NonFiniteGuard
+from labkit.rank.nonfinite import LossWatch, NonFiniteGuard
 from labkit.rank.own_model import trainable_for
 from labkit.rank.periodic_checkpoints import PeriodicCheckpoints
 from labkit.rank.state import state_for
@@ -157,6 +157,39 @@ def _reports(config: TrainConfig, parallel: ParallelModel, coordinate: dict[str,
         index == 0 for name, index in coordinate.items() if name in shared and name not in DATA_AXES)
 
 
+def _steps(config: TrainConfig, state, parallel: ParallelModel, optimizer, trainable, staging, timer: StepTimer,
+           instruments, losses: LossLog, guard: NonFiniteGuard, watch: LossWatch | None, checkpoints, saved: list[str],
+           samples: int, tokens: int | None) -> None:
+    """The run's steps, until ``config.steps`` are done, a stop is agreed or the strategy has finished."""
+    for step in range(config.steps):  # this run's steps; the data position is the state's
+        if instruments.stop_agreed(step) or (parallel.finished is not None and parallel.finished()):
+            break
+        share = parallel.data_share  # a rank that takes no data (a parameter server's server) makes none
+        batch = None
+        if share is not None:
+            position = (state.step, config.global_batch, *share) if parallel.batch_position is None \
+                else parallel.batch_position(state.step)
+            batch = to_device(trainable.share(*position), staging)
+        timer.begin()
+        delay = instruments.begin_step(state.step)  # rows count steps from the run's start, across continuations
+        optimizer.zero_grad(set_to_none=True)
+        loss = parallel.forward_backward(batch)
+        if guard.check(state.step + 1, loss, watch) is None:
+            state.updating = True
+            parallel.optimizer_step(optimizer)
+            state.updating = False
+        elif guard.stops:  # every rank stops here: the model and optimizer stay as the last finite step left them
+            optimizer.zero_grad(set_to_none=True)
+            timer.abandon()
+            break
+        state.finish_step()
+        timer.end()
+        instruments.end_step(samples, tokens, loss, delay)
+        losses.add(step, loss)
+        if checkpoints is not None and config.checkpoint_every and state.step % config.checkpoint_every == 0:
+            saved.append(checkpoints.save(state))
+
+
 def _train(config: TrainConfig, runtime: RankContext) -> RankResult:
     device = runtime.device
     state = state_for(config, runtime, make_optimizer)
@@ -177,33 +210,13 @@ def _train(config: TrainConfig, runtime: RankContext) -> RankResult:
     staging = batch_staging(device)  # one per run: its buffers are reused by every step
     checkpoints = PeriodicCheckpoints(config) if config.checkpoint_every else None
     guard = NonFiniteGuard(config.on_nonfinite, parallel.lockstep, recorder)
-    for step in range(config.steps):  # this run's steps; the data position is the state's
-        if instruments.stop_agreed(step) or (parallel.finished is not None and parallel.finished()):
-            break
-        share = parallel.data_share  # a rank that takes no data (a parameter server's server) makes none
-        batch = None
-        if share is not None:
-            position = (state.step, config.global_batch, *share) if parallel.batch_position is None \
-                else parallel.batch_position(state.step)
-            batch = to_device(trainable.share(*position), staging)
-        timer.begin()
-        delay = instruments.begin_step(state.step)  # rows count steps from the run's start, across continuations
-        optimizer.zero_grad(set_to_none=True)
-        loss = parallel.forward_backward(batch)
-        if guard.check(state.step + 1, loss) is None:
-            state.updating = True
-            parallel.optimizer_step(optimizer)
-            state.updating = False
-        elif guard.stops:  # every rank stops here: the model and optimizer stay as the last finite step left them
-            optimizer.zero_grad(set_to_none=True)
-            timer.abandon()
-            break
-        state.finish_step()
-        timer.end()
-        instruments.end_step(samples, tokens, loss, delay)
-        losses.add(step, loss)
-        if checkpoints is not None and config.checkpoint_every and state.step % config.checkpoint_every == 0:
-            saved.append(checkpoints.save(state))
+    watch = LossWatch(device) if guard.agrees else None
+    trainable.loss_watch = watch  # the losses the loop's steps make, seen as they are made; not the reference's
+    try:
+        _steps(config, state, parallel, optimizer, trainable, staging, timer, instruments, losses, guard, watch,
+               checkpoints, saved, samples, tokens)
+    finally:
+        trainable.loss_watch = None
     losses.print_due()
     instruments.finish()
     state.pause()

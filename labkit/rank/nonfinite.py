@@ -14,9 +14,14 @@ waiting in the next collective.
   batch and the run goes on; the report lists the skipped steps.
 - ``continue``: nothing is agreed (no collective); the notebook warns once.
 
-Reading whether a loss is finite makes the CPU wait for a GPU to finish the
-step's backward (torch's ``GradScaler`` waits the same way at every step); the
-run's instruments count the agreement as the lab's traffic, not the model's.
+On a GPU each loss is looked at where it is made (``LossWatch``): a code for it
+is computed on the device and copied to pinned memory behind an event, before
+backward is enqueued. The agreement waits for that event, which passes when the
+forward has run, while the GPU runs the backward already queued: the GPU never
+idles for it (reading the loss after backward would make it wait for the whole
+backward, then idle while the CPU enqueues the update and the next forward: 39%
+slower steps on a 25M-parameter GPT on an H200). The run's instruments count the
+agreement as the lab's traffic, not the model's.
 
 A strategy whose ranks never stand at one step together (an asynchronous
 parameter server: ``ParallelModel.lockstep`` is False) agrees nothing, since
@@ -51,6 +56,49 @@ def loss_code(loss: torch.Tensor | None) -> int:
     return FINITE
 
 
+def _device_code(loss: torch.Tensor) -> torch.Tensor:
+    """``loss_code`` computed where ``loss`` lives, without reading it."""
+    value = loss.detach().float()
+    return torch.where(torch.isnan(value), NAN,
+                       torch.where(torch.isinf(value), torch.where(value > 0, INFINITE, NEGATIVE_INFINITE), FINITE))
+
+
+class LossWatch:
+    """The codes of the losses one step makes (a pipeline's last stage makes one per micro-batch), each taken
+    as the loss is made, before its backward is enqueued (``Trainable.loss`` calls ``saw``)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self._slots: list[torch.Tensor] = []  # pinned host codes, reused each step (``take`` waited for them)
+        self._events: list[torch.cuda.Event] = []
+        self._codes: list[int] = []  # on the host: read at once, the loss is already computed
+
+    def saw(self, loss: torch.Tensor) -> None:
+        if not loss.requires_grad:  # not a step's: a pipeline's shape inference runs the loss on empty outputs
+            return
+        if not self.cuda:
+            self._codes.append(loss_code(loss))
+            return
+        index = len(self._events)
+        if index == len(self._slots):
+            self._slots.append(torch.zeros((), dtype=torch.int64, pin_memory=True))
+        self._slots[index].copy_(_device_code(loss), non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._events.append(event)
+
+    def take(self, loss: torch.Tensor | None) -> int:
+        """This step's code: the first loss that was not finite, else ``FINITE``; a step whose losses were not
+        seen (a strategy's own loss path) reads ``loss`` itself."""
+        for event in self._events:
+            event.synchronize()  # passes once the forward has run: the backward queued after it runs on
+        codes = self._codes + [int(slot) for slot in self._slots[:len(self._events)]]
+        self._codes, self._events = [], []
+        if not codes:
+            return loss_code(loss)
+        return next((code for code in codes if code), FINITE)
+
+
 class NonFiniteGuard:
     """One run's watch on its losses: whether a step is applied, and what was found."""
 
@@ -60,13 +108,15 @@ class NonFiniteGuard:
         self.recorder = recorder
         self.found: list[NonFiniteStep] = []  # the steps whose loss was not finite somewhere, as agreed
 
-    def check(self, step_number: int, loss: torch.Tensor | None) -> NonFiniteStep | None:
+    def check(self, step_number: int, loss: torch.Tensor | None, watch: LossWatch | None = None) \
+            -> NonFiniteStep | None:
         """Agreed on every rank: the step (numbered as progress lines count it) whose loss was not finite on some
-        rank, with those ranks; None when every rank's loss was finite (or nothing is agreed)."""
+        rank, with those ranks; None when every rank's loss was finite (or nothing is agreed). ``watch``: the
+        step's losses as they were made (else ``loss`` is read, after its backward)."""
         if not self.agrees:
             return None
         codes = control_tensor([0.0] * dist.get_world_size())
-        codes[dist.get_rank()] = loss_code(loss)
+        codes[dist.get_rank()] = watch.take(loss) if watch is not None else loss_code(loss)
         with self.recorder.lab_traffic():  # the lab's agreement, not the model's communication
             dist.all_reduce(codes, op=dist.ReduceOp.MAX)
         found = [(rank, int(code)) for rank, code in enumerate(codes.tolist()) if code]

@@ -37,8 +37,17 @@ Batch = Any  # a tensor, or tuples / lists / dicts of them, every leaf with the 
 Loss = Callable[[Any, Batch], torch.Tensor]  # (the network's output, the batch) -> the mean loss
 
 
+def watched(trainable: Any, loss: torch.Tensor) -> torch.Tensor:
+    """``loss``, shown first to the run's watch on losses (``rank.nonfinite.LossWatch``) while a loop runs."""
+    watch = getattr(trainable, "loss_watch", None)
+    if watch is not None:
+        watch.saw(loss)
+    return loss
+
+
 class Trainable(Protocol):
     name: str
+    loss_watch: Any  # while a loop runs, what sees each loss as it is made (``rank.nonfinite.LossWatch``)
 
     def build(self, seed: int, device: str | torch.device) -> nn.Module:
         """The network, with the same initial weights wherever it is built with ``seed``."""
@@ -89,6 +98,8 @@ def initial_network(trainable: Trainable, seed: int, device: str | torch.device)
 class DeclaredTrainable:
     """A model of the catalog under its settings: the zoo's, or an installed package's."""
 
+    loss_watch: Any = None
+
     def __init__(self, declaration: ModelDeclaration[Any], settings: Any, seed: int) -> None:
         self.declaration, self.settings, self.seed = declaration, settings, seed
         self.name = declaration.name
@@ -107,7 +118,7 @@ class DeclaredTrainable:
         return module(batch[0])
 
     def loss(self, output: Any, batch: Batch) -> torch.Tensor:
-        return checked_loss(self.declaration.loss(output, batch[1]), f"the loss of model {self.name!r}")
+        return watched(self, checked_loss(self.declaration.loss(output, batch[1]), f"the loss of model {self.name!r}"))
 
     def plan(self, module: nn.Module, example_rows: tuple[int, int] | None = None) -> object:
         return module
@@ -131,6 +142,8 @@ def declared_trainable(config: TrainConfig) -> DeclaredTrainable:
 
 class OwnTrainable:
     """A user's model, data and loss, as each rank built them from what the notebook packed."""
+
+    loss_watch: Any = None
 
     def __init__(self, name: str, factory: Callable[[], nn.Module], data: Any, loss: Loss | None, seed: int,
                  options: dict, tokens: int | None = None, meta: bool = True, loss_name: str = "") -> None:
@@ -159,7 +172,7 @@ class OwnTrainable:
         return batch_ops.call_model(module, batch)
 
     def loss(self, output: Any, batch: Batch) -> torch.Tensor:
-        return checked_loss(self._loss(output, batch), f"your loss function ({self.loss_name})")
+        return watched(self, checked_loss(self._loss(output, batch), f"your loss function ({self.loss_name})"))
 
     def plan(self, module: nn.Module, example_rows: tuple[int, int] | None = None) -> object:
         options = self.options
