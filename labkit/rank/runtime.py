@@ -39,11 +39,12 @@ from labkit.rank.environment import (device_name, process_group_backend, seed_as
 from labkit.rank.failures import error_info
 from labkit.rank.instruments.recorders import recorder_for
 from labkit.rank.lab_groups import LabGroups
+from labkit.rank.model_steps import ModelSteps
 from labkit.rank.requests import RankRequests
 from labkit.rank.user_process import UserProcess
 from labkit.rank.whereabouts import Whereabouts
 from labkit.spec.network import place_on_network
-from labkit.torch_support.torch_internals import reset_ddp_reducer, set_group_timeout
+from labkit.torch_support.torch_internals import set_group_timeout
 from labkit.wire import entry
 from labkit.wire.current import RUNTIME_NAME
 from labkit.wire.gpus import gpu_index, gpus_shown
@@ -106,6 +107,7 @@ class RankRuntime(RankContext):
         self.debugging = RankDebugging.installed(self, _own_files)  # post-mortem and breakpoint() for the notebook
         self.whereabouts = Whereabouts(self)  # while user work runs: its line and collectives, for the notebook
         self.whereabouts.start()
+        self.model_steps = ModelSteps()  # DDP and FSDP2 models, put back in step after failed work
 
     # -- names a cell sees --------------------------------------------------
 
@@ -191,12 +193,16 @@ class RankRuntime(RankContext):
     def rebuild_groups(self, generation: int, timeout_seconds: float) -> int:
         """Same ranks, same world: every group gets its generation-``generation`` self, in place; how many.
 
-        Everything built on the groups (DDP, FSDP, DTensors, meshes, the training state) goes on.
-        A DDP whose backward a cut collective ended is told to forget that reduction."""
+        Everything built on the groups (DDP, FSDP, DTensors, meshes, the training state) goes on
+        (the models' per-iteration state is put in step by ``put_models_in_step``)."""
         count = self.groups.reconfigure(generation, timedelta(seconds=timeout_seconds))
         self.generation = generation
-        _forget_cut_reductions()
         return count
+
+    def put_models_in_step(self, failed_here: bool) -> list[str]:
+        """After work that failed on some rank: every DDP and FSDP2 model of this rank put as every rank puts
+        its own (``rank.model_steps``); ``failed_here``: this rank ran that work. What was done, per model."""
+        return self.model_steps.put_in_step(failed_here)
 
     def release_collectives(self) -> int:
         """Close this rank's group connections: peers waiting for it in a collective fail now."""
@@ -334,6 +340,7 @@ class RankRuntime(RankContext):
 
         started = time.perf_counter()
         self.set_collective_timeout(timeout_seconds)
+        self.model_steps.begin_work()
         self.displays.begin()
         self.whereabouts.began()
         try:
@@ -371,21 +378,6 @@ class RankRuntime(RankContext):
             return report
         finally:
             signal.signal(signal.SIGINT, previous)
-
-
-def _forget_cut_reductions() -> None:
-    """Every DistributedDataParallel of this process whose backward a cut collective ended forgets that
-    reduction, so its next forward and backward run as if the failed one had not started."""
-    import gc
-
-    from torch.nn.parallel import DistributedDataParallel
-
-    for candidate in gc.get_objects():
-        if isinstance(candidate, DistributedDataParallel):
-            try:
-                candidate._check_reducer_finalized()
-            except RuntimeError:
-                reset_ddp_reducer(candidate)
 
 
 def _own_files() -> set[str]:
