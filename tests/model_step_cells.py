@@ -30,7 +30,7 @@ def batch(step):
 
 def train(model, optimizer, step):
     optimizer.zero_grad()
-    model(batch(step)).sum().backward()
+    model(batch(step)).square().mean().backward()  # bounded: a long loop stays finite
     optimizer.step()
 
 def wrapped(kind):
@@ -77,3 +77,40 @@ FAILURES = {
                    "out.sum().backward()",
     "after backward": "model(batch(50)).sum().backward()\nif rank == 1:\n    raise ValueError('only here')",
 }
+
+
+# -- your own model under lab.train, with a loss that raises once on one rank -------------------------
+
+def small_net():
+    import torch.nn as nn
+
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+
+
+def classes(step, generator):
+    import torch
+
+    return torch.randn(12, 8, generator=generator), torch.randint(0, 4, (12,), generator=generator)
+
+
+def cross_entropy(output, batch):
+    import torch.nn.functional as F
+
+    return F.cross_entropy(output, batch[1])
+
+
+_CALLS = {"loss": 0}  # on each rank: how many times cross_entropy_failing_once ran in this process
+
+
+def cross_entropy_failing_once(output, batch):
+    """cross_entropy, except that its sixth call in a rank-1 process raises (once per process)."""
+    import torch.distributed as dist
+
+    _CALLS["loss"] += 1
+    if dist.get_rank() == 1 and _CALLS["loss"] == 6:
+        raise ValueError("the loss failed at its sixth call")
+    return cross_entropy(output, batch)
+
+
+# A training loop in a cell that runs until the notebook interrupts it; ``steps_done`` counts its steps.
+LOOP = "for _ in range(100000):\n    train(model, optimizer, steps_done)\n    steps_done += 1"

@@ -24,6 +24,13 @@ stood, the same way on each (``put_in_step``):
 
 The forward's buffer synchronization (``require_forward_param_sync``) goes back to what it was.
 
+A Ctrl-C in the notebook while a ``%%lab`` cell trains a DDP model asks the ranks, through the control
+channel, to stop before their next DDP forward (``StopRequested``): between two iterations, where every
+rank has applied the same optimizer steps. A rank that had gone on into the next iteration waits in its
+first collective for the ones that stopped and is released (the deadlock watch): it applied no more
+steps than they did. Signals, which land anywhere (one rank past its optimizer step, another not), come
+only when no rank reached a forward within the grace.
+
 FSDP2 keeps its iteration in Python: training states, the module that began the forward, the order
 modules ran for backward's prefetch, pending reduce-scatters, parameters left unsharded. torch's own
 recovery (``FSDPModule.reset_iter_state``) puts all of it as before an iteration, on every rank, and
@@ -38,7 +45,7 @@ from dataclasses import dataclass
 
 import torch
 
-from labkit.torch_support.torch_internals import (
+from labkit.torch_support.torch_internals_models import (
     ddp_iteration_state,
     ddp_reducer_settled,
     fresh_ddp_reducer,
@@ -60,23 +67,41 @@ class Standing:
     forward_param_sync: bool
 
 
+class StopBeforeIteration(KeyboardInterrupt):
+    """The notebook asked a cell to stop (Ctrl-C): raised as a DDP model's forward begins, before the
+    iteration does anything."""
+
+
 class ModelSteps:
     """This rank's DDP and FSDP2 models: where each DDP model stood as the current work reached it, and how
     to put every model back after failed work."""
 
     def __init__(self) -> None:
         self.work = 0  # numbers the pieces of user work this rank ran
+        self.iterating = False  # a DDP forward ran in the current work
+        self._stop_channel = None  # the control channel a stop before the next iteration comes through
         self._iterations: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._standing: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         watch_ddp_forwards(self._before_forward)
 
-    def begin_work(self) -> None:
+    def begin_work(self, stop_channel=None) -> None:
+        """A piece of user work begins; ``stop_channel`` (``rank.control.ControlChannel``): a stop the notebook
+        asks for through it is raised before the next DDP forward (None: none is)."""
         self.work += 1
+        self.iterating = False
+        self._stop_channel = stop_channel
 
     def _before_forward(self, model) -> None:
         own, rebuilt, marked = ddp_iteration_state(model)
         if not own:
             return
+        channel = self._stop_channel
+        if channel is not None:
+            channel.poll()  # a round trip to the store at most every few hundredths of a second
+            if channel.stop_requested:
+                raise StopBeforeIteration("the notebook asked the cell to stop: this rank stopped as a forward of "
+                                          f"{type(model.module).__name__} (DDP) began, between two iterations")
+        self.iterating = True
         iterations = self._iterations.get(model, 0)
         standing = self._standing.get(model)
         if standing is None or standing.work != self.work:

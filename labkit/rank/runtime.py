@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from labkit.rank.context import RankContext
+from labkit.rank.control import ControlChannel
 from labkit.rank.debugger import RankDebugging
 from labkit.rank.displays import RankDisplays
 from labkit.rank.environment import (device_name, process_group_backend, seed_as_asked, seed_independently,
@@ -105,9 +106,9 @@ class RankRuntime(RankContext):
 
         self.displays = RankDisplays.for_shell(get_ipython())  # what work displays reaches the notebook, marked and bounded
         self.debugging = RankDebugging.installed(self, _own_files)  # post-mortem and breakpoint() for the notebook
+        self.model_steps = ModelSteps()  # DDP and FSDP2 models, put back in step after failed work
         self.whereabouts = Whereabouts(self)  # while user work runs: its line and collectives, for the notebook
         self.whereabouts.start()
-        self.model_steps = ModelSteps()  # DDP and FSDP2 models, put back in step after failed work
 
     # -- names a cell sees --------------------------------------------------
 
@@ -290,7 +291,9 @@ class RankRuntime(RankContext):
                 return repr(value)
             return None
 
-        report = self._guarded(self._watched(body, watch), timeout_seconds, result_key="display")
+        # A watched loop has its own stop at a step boundary; a plain cell stops before a DDP iteration.
+        report = self._guarded(self._watched(body, watch), timeout_seconds, result_key="display",
+                               stop_before_iteration=watch is None)
         if rich and report.get("ok") and watch is None:
             report["rich"] = rich[0]
         return report
@@ -333,14 +336,17 @@ class RankRuntime(RankContext):
 
         return watched
 
-    def _guarded(self, work, timeout_seconds: float, result_key: str, fresh_process: bool = False) -> dict:
+    def _guarded(self, work, timeout_seconds: float, result_key: str, fresh_process: bool = False,
+                 stop_before_iteration: bool = False) -> dict:
         """Run user work: the lab's group stands in for the user's init/destroy, exit(0) succeeds; the notebook's
-        umask while it runs. ``fresh_process``: the groups the work made go when it ends (a script's)."""
+        umask while it runs. ``fresh_process``: the groups the work made go when it ends (a script's).
+        ``stop_before_iteration``: a stop the notebook asks for ends it before a DDP forward (``model_steps``)."""
         from labkit.rank.script import ScriptExit, exit_code, lab_process_group
 
         started = time.perf_counter()
         self.set_collective_timeout(timeout_seconds)
-        self.model_steps.begin_work()
+        self.model_steps.begin_work(ControlChannel(self.store, self.rank)
+                                    if stop_before_iteration and self.store is not None else None)
         self.displays.begin()
         self.whereabouts.began()
         try:

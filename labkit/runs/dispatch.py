@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING
 
 from labkit.cluster.rank_whereabouts import WhereaboutsReader
 from labkit.runs.deadlock import DeadlockWatch, in_flight, transfers_waited
+from labkit.runs.own_interrupts import told_as_raised
 from labkit.runs.debugging import BreakpointDesk
 from labkit.spec.errors import LabError
 from labkit.views.rank_output import LiveOutput, RankTexts
@@ -58,8 +59,6 @@ RELEASE_CALL_SECONDS = 10.0
 ABSENT_CALL_SECONDS = 2.0  # an idle rank answers at once; one busy with other work is left unknown
 READ_AFTER_SECONDS = 0.2  # work that ends sooner is never watched (nor is torch loaded here for it)
 STALE_SECONDS = 3.0  # a rank publishes at least every second: an older value is not trusted
-# What a KeyboardInterrupt the work raised itself says, when it says nothing.
-OWN_INTERRUPT = "raised by the work itself (no limit was reached and nothing interrupted the rank)"
 # When a busy rank's whereabouts cannot be read, how long after a failure its peers are released anyway.
 FALLBACK_RELEASE_SECONDS = 4.0
 
@@ -147,7 +146,6 @@ class RankWork:
         self._absent_groups: dict[int, dict | None] = {}  # ranks not in the work -> their groups (None: unknown)
         self._deadlock_groups: set[str] | None = None  # once a deadlock is found: the groups it is on
         self._released_from: set[int] = set()  # idle ranks that closed their connections
-        self._signalled: set[int] = set()  # ranks sent SIGINT: a KeyboardInterrupt elsewhere is the work's own
         self._release_asked: set[int] = set()  # busy ranks asked to close theirs
         self._first_failure: float | None = None
         self.breakpoints = BreakpointDesk(self, self._check_alive)  # the prompt of ranks stopped at breakpoint()
@@ -328,7 +326,6 @@ class RankWork:
     def _escalate(self) -> None:
         if not self.pending:
             return
-        self._signalled.update(self.pending)
         self.cluster.signal(list(self.pending), signal.SIGINT)
         self._wait_until(time.monotonic() + self.interrupt_grace)
         if not self.pending:
@@ -354,6 +351,7 @@ class RankWork:
                     self.timed_out = True
                     self._escalate()
         except KeyboardInterrupt:
+            self.interrupted = True  # whatever ends the work now, the kernel's interrupt did
             grace = self.on_interrupt() if self.on_interrupt is not None else 0.0
             if grace:
                 try:
@@ -361,28 +359,14 @@ class RankWork:
                 except KeyboardInterrupt:
                     pass
             if self.pending:
-                self.interrupted = True
                 self._escalate_after_interrupt()
         finally:
             if self._reader is not None:
                 self._reader.stop()
             self.whereabouts = {}
             self.output.finish()
-        self._own_interrupts_raised()
+        told_as_raised(self.reports, signalled=self.timed_out or self.interrupted)  # else none were: the work's own
         return dict(sorted(self.reports.items()))
-
-    def _own_interrupts_raised(self) -> None:
-        """A KeyboardInterrupt on a rank the lab never interrupted, while the kernel was not interrupted either,
-        was raised by the work itself (``raise KeyboardInterrupt``): told as raised, not as a rank stopped
-        at a limit that was never reached."""
-        if self.interrupted:
-            return
-        for rank, report in self.reports.items():
-            error = report.get("error")
-            if error is not None and error["kind"] == FailureKind.INTERRUPTED \
-                    and error["type"] == "KeyboardInterrupt" and rank not in self._signalled:
-                error["kind"] = FailureKind.RAISED
-                error["message"] = error["message"] or OWN_INTERRUPT
 
     def _escalate_after_interrupt(self) -> None:
         # A second Ctrl-C while we bring the ranks back must not leave them stuck.

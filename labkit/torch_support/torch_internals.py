@@ -4,12 +4,12 @@ Runs in the engines. The lab does things torch offers no public call for: it put
 group's place (under the same name, in torch's registry of groups), changes the time limit of every group at each
 cell, swaps the default group while a slow link is simulated, aborts the groups of a failing nccl rank, clears what
 DTensor and the mesh stack cached about groups that a rebuild destroyed, queues a callback at the end of backward,
-finds where a DTensor's shard lies in the whole tensor, and reads and resets the per-iteration state of DDP's
-reducer and of FSDP2 after a failed cell (watching each DDP forward begin). Each of these reaches into
+and finds where a DTensor's shard lies in the whole tensor. What it does to models' per-iteration state after a
+failed cell (DDP's reducer, FSDP2's iteration) is in ``torch_internals_models``, this file's companion. Each of these reaches into
 ``torch.distributed.distributed_c10d``, ``torch._C`` or underscored names, which change between torch releases
 without notice.
 
-So they live here and nowhere else: a new torch is checked against this file (``missing_internals`` lists what it
+So they live here (and in that companion) and nowhere else: a new torch is checked against this file (``missing_internals`` lists what it
 lacks; a test asserts it lacks nothing), and ``labkit.spec.torch_version`` names this file when the installed torch
 is not a tested one. Code elsewhere calls the functions below and never an underscored name of torch's.
 """
@@ -28,6 +28,8 @@ import torch.distributed as dist
 from torch._C import _distributed_c10d as c10d_native
 from torch.distributed import distributed_c10d as c10d
 
+from labkit.torch_support.torch_internals_models import model_internals
+
 if TYPE_CHECKING:  # a NewType of str in torch's stubs, not a name every torch has at run time
     from torch.distributed.distributed_c10d import GroupName
 # torch's logger for DTensor's redistribution, which warns at every uneven shard of the zoo's models.
@@ -35,16 +37,6 @@ DTENSOR_REDISTRIBUTE_LOGGER = "torch.distributed.tensor._redistribute"
 
 # The per-group tables of torch's registry that a stand-in must appear in, as its real group does.
 _WORLD_TABLES = ("pg_map", "pg_names", "pg_group_ranks")
-
-
-def _reducer_method(name: str) -> Callable[[], object]:
-    return lambda: getattr(torch._C._distributed_c10d.Reducer, name)
-
-
-def _ddp_method(name: str) -> Callable[[], object]:
-    from torch.nn.parallel import DistributedDataParallel
-
-    return lambda: getattr(DistributedDataParallel, name)
 
 
 def missing_internals() -> list[str]:
@@ -58,14 +50,7 @@ def missing_internals() -> list[str]:
         "distributed_c10d._new_process_group_helper": lambda: c10d._new_process_group_helper,
         "distributed_c10d._world.group_count": lambda: c10d._world.group_count,
         "distributed_c10d._unregister_all_process_groups": lambda: c10d._unregister_all_process_groups,
-        "nn.parallel.DistributedDataParallel.reducer._reset_state":
-            lambda: torch._C._distributed_c10d.Reducer._reset_state,
-        **{f"nn.parallel.DistributedDataParallel.reducer.{name}": _reducer_method(name)
-           for name in ("get_backward_stats", "_remove_autograd_hooks", "_set_mixed_precision_param_dtype")},
-        **{f"nn.parallel.DistributedDataParallel.{name}": _ddp_method(name)
-           for name in ("_build_params_for_reducer", "_build_debug_param_to_name_mapping", "_ddp_init_helper",
-                        "_set_static_graph", "_check_reducer_finalized")},
-        "distributed._register_comm_hook": lambda: dist._register_comm_hook,
+        **model_internals(),  # torch_internals_models: DDP's reducer, FSDP2's iteration
         "_C._distributed_c10d._register_process_group": lambda: c10d_native._register_process_group,
         "_C._distributed_c10d._resolve_process_group": lambda: c10d_native._resolve_process_group,
         "_C._distributed_c10d._unregister_process_group": lambda: c10d_native._unregister_process_group,
@@ -255,112 +240,6 @@ def clear_registry() -> None:
         getattr(world, table).update(entries)
     c10d._unregister_all_process_groups()
     world.group_count = 0
-
-
-# -- a DistributedDataParallel's per-iteration state (rank.model_steps) ---------------------
-
-
-def watch_ddp_forwards(before_forward: Callable) -> None:
-    """Call ``before_forward(module)`` as every DistributedDataParallel's forward begins, in this process.
-
-    torch offers no hook for it that costs nothing elsewhere (a global forward hook slows every module):
-    DistributedDataParallel's own ``forward`` is wrapped once; a later call only changes the callback."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    wrapped = DistributedDataParallel.forward
-    if getattr(wrapped, "labkit_before_forward", None) is not None:
-        wrapped.labkit_before_forward = before_forward  # type: ignore[attr-defined]
-        return
-    original = wrapped
-
-    def forward(self, *inputs, **kwargs):
-        if not torch.compiler.is_compiling():
-            forward.labkit_before_forward(self)
-        return original(self, *inputs, **kwargs)
-
-    forward.labkit_before_forward = before_forward  # type: ignore[attr-defined]
-    forward.__doc__, forward.__wrapped__ = original.__doc__, original  # type: ignore[attr-defined]
-    DistributedDataParallel.forward = forward  # type: ignore[method-assign]
-
-
-def ddp_iteration_state(module) -> tuple[bool, bool, tuple[int, ...]]:
-    """What a DistributedDataParallel's reducer shows of its iterations: whether it has a reducer of its own
-    (not the python reducer of compiled autograd, nor hooks that replace it), whether its buckets were
-    rebuilt in the order gradients arrive, and when each parameter's gradient was last marked ready."""
-    if getattr(module, "_use_python_reducer", False) or getattr(module, "_delay_all_reduce_all_params", False):
-        return False, False, ()
-    return True, bool(module._has_rebuilt_buckets), tuple(module.reducer.get_backward_stats())
-
-
-def ddp_reducer_settled(module) -> bool:
-    """False while a DistributedDataParallel's backward has marked gradients ready and not finished."""
-    try:
-        module._check_reducer_finalized()
-    except RuntimeError:
-        return False
-    return True
-
-
-def reset_ddp_reducer(module) -> None:
-    """Forget a DistributedDataParallel's unfinished reduction and its pending bucket rebuild: its buckets are
-    rebuilt again after its next backward, in the order its gradients arrive (the layout they have)."""
-    module.reducer._reset_state()
-    module._has_rebuilt_buckets = False
-
-
-def fsdp_roots(objects) -> list:
-    """The FSDP2 models among ``objects`` that ran a forward as the root of their model (torch decides the
-    root at the first forward): the modules whose per-iteration state ``reset_fsdp_iteration`` resets."""
-    from torch.distributed.fsdp import FSDPModule
-
-    roots = []
-    for candidate in objects:
-        if isinstance(candidate, FSDPModule):
-            state = candidate._get_fsdp_state()
-            if state._is_root:
-                roots.append(candidate)
-    return roots
-
-
-def reset_fsdp_iteration(root) -> bool:
-    """Put an FSDP2 model's per-iteration state (training states, pending reduce-scatters, the forward root,
-    unsharded parameters) as before an iteration began, discarding a failed iteration's gradients in flight;
-    False where this torch offers no way to (it lacks ``FSDPModule.reset_iter_state``)."""
-    reset = getattr(root, "reset_iter_state", None)
-    if reset is None:
-        return False
-    reset()
-    # torch's reset leaves the gradients a cut backward computed into the unsharded parameters, whose
-    # reduce-scatter never ran: the next backward would add to them on the ranks that got that far.
-    for state in root._get_fsdp_state()._state_ctx.all_states:
-        for group in state._fsdp_param_groups:
-            for parameter in group.fsdp_params:
-                parameter.unsharded_accumulated_grad = None
-                if hasattr(parameter, "_unsharded_param"):
-                    parameter._unsharded_param.grad = None
-    return True
-
-
-def fresh_ddp_reducer(module) -> None:
-    """Give a DistributedDataParallel that has not finished an iteration the reducer it was built with:
-    no iteration counted, first-iteration bookkeeping (static graph's) undone, buckets as at construction.
-
-    Collective-free (the parameters were synchronized when it was built). Its communication hooks
-    registered through ``register_comm_hook`` and its mixed precision are set again."""
-    old = module.reducer
-    old._remove_autograd_hooks()
-    parameters, expect_sparse_gradient = module._build_params_for_reducer()
-    names = module._build_debug_param_to_name_mapping(parameters)
-    static_graph = bool(module.static_graph)
-    module._ddp_init_helper(parameters, expect_sparse_gradient, names, static_graph)
-    for hook, state in getattr(module, "_comm_hooks", []):
-        dist._register_comm_hook(module.reducer, state, hook)
-    if getattr(module, "mixed_precision", None) is not None:
-        module.reducer._set_mixed_precision_param_dtype(module.mixed_precision.param_dtype)
-    module._has_rebuilt_buckets = False
-    if static_graph:
-        module.static_graph = False  # torch's _set_static_graph sets it up once
-        module._set_static_graph()
 
 
 def group_lifecycle() -> tuple:
