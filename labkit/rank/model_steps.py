@@ -46,6 +46,7 @@ from dataclasses import dataclass
 import torch
 
 from labkit.torch_support.torch_internals_models import (
+    ddp_has_own_reducer,
     ddp_iteration_state,
     ddp_reducer_settled,
     fresh_ddp_reducer,
@@ -92,8 +93,7 @@ class ModelSteps:
         self._stop_channel = stop_channel
 
     def _before_forward(self, model) -> None:
-        own, rebuilt, marked = ddp_iteration_state(model)
-        if not own:
+        if not ddp_has_own_reducer(model):
             return
         channel = self._stop_channel
         if channel is not None:
@@ -104,11 +104,12 @@ class ModelSteps:
         self.iterating = True
         iterations = self._iterations.get(model, 0)
         standing = self._standing.get(model)
-        if standing is None or standing.work != self.work:
+        if standing is None or standing.work != self.work:  # its first forward in this work: where it stands
+            rebuilt, marked = ddp_iteration_state(model)
             self._standing[model] = Standing(self.work, iterations, rebuilt, marked,
                                              bool(model.require_forward_param_sync))
-        if torch.is_grad_enabled() and model.require_backward_grad_sync:
-            self._iterations[model] = iterations + 1
+        began = torch.is_grad_enabled() and model.require_backward_grad_sync  # an iteration, as its reducer counts
+        self._iterations[model] = iterations + 1 if began else iterations
 
     def put_in_step(self, failed_here: bool) -> list[str]:
         """After failed work, every model as the other ranks put theirs (``failed_here``: this rank ran that
@@ -126,9 +127,9 @@ class ModelSteps:
     def _ddp_in_step(self, failed_here: bool) -> list[str]:
         done = []
         for model, iterations in list(self._iterations.items()):
-            own, rebuilt, marked = ddp_iteration_state(model)
-            if not own:
+            if not ddp_has_own_reducer(model):
                 continue
+            rebuilt, marked = ddp_iteration_state(model)
             standing = self._standing.get(model)
             if standing is None or not failed_here or standing.work != self.work:
                 standing = Standing(self.work, iterations, rebuilt, marked, bool(model.require_forward_param_sync))

@@ -58,13 +58,16 @@ def watch_ddp_forwards(before_forward: Callable) -> None:
     DistributedDataParallel.forward = forward  # type: ignore[method-assign]
 
 
-def ddp_iteration_state(module) -> tuple[bool, bool, tuple[int, ...]]:
-    """What a DistributedDataParallel's reducer shows of its iterations: whether it has a reducer of its own
-    (not the python reducer of compiled autograd, nor hooks that replace it), whether its buckets were
-    rebuilt in the order gradients arrive, and when each parameter's gradient was last marked ready."""
-    if getattr(module, "_use_python_reducer", False) or getattr(module, "_delay_all_reduce_all_params", False):
-        return False, False, ()
-    return True, bool(module._has_rebuilt_buckets), tuple(module.reducer.get_backward_stats())
+def ddp_has_own_reducer(module) -> bool:
+    """Whether a DistributedDataParallel reduces through a reducer of its own (not the python reducer of
+    compiled autograd, nor hooks that replace it): the state the functions below read and reset."""
+    return not (getattr(module, "_use_python_reducer", False) or getattr(module, "_delay_all_reduce_all_params", False))
+
+
+def ddp_iteration_state(module) -> tuple[bool, tuple[int, ...]]:
+    """What a DistributedDataParallel's reducer shows of its iterations: whether its buckets were rebuilt in
+    the order gradients arrive, and when each parameter's gradient was last marked ready."""
+    return bool(module._has_rebuilt_buckets), tuple(module.reducer.get_backward_stats())
 
 
 def ddp_reducer_settled(module) -> bool:
