@@ -132,13 +132,20 @@ def models_in_step(session: Session, work: RankWork) -> str:
 
     ran = sorted(set(work.ranks) & set(range(session.world_size)))
     others = [rank for rank in range(session.world_size) if rank not in ran]
+    done: list[str] = []
     try:
         for ranks, failed_here in ((ran, True), (others, False)):
             if ranks:
-                session.call(ranks, entry.put_models_in_step, (failed_here,), session.start_timeout)
+                for said in session.call(ranks, entry.put_models_in_step, (failed_here,), session.start_timeout):
+                    done.extend(said)
     except LabError as error:
         return (f"; the DDP and FSDP models could not be put back in step ({str(error).splitlines()[0]}): "
                 "re-create them on every rank (run the cells that built them), or lab.load a checkpoint")
+    left = sorted({said.split(":")[0] for said in done if "cannot reset" in said})
+    if left:
+        return (f"; {', '.join(left)} (FSDP2) could not be put back in step: this torch cannot reset an FSDP "
+                "iteration (it lacks FSDPModule.reset_iter_state): re-create it on every rank, or lab.load a "
+                "checkpoint")
     return ""
 
 
