@@ -302,8 +302,8 @@ class Session:
         return f"rank {rank} (pid {pid}) killed with SIGKILL"
 
     def execute(self, ranks: int | Iterable[int] | None, work_entry: Callable, args: tuple,
-                timeout: float | None = None, live: bool | None = None,
-                show_values: bool = False, view: str | None = None) -> dict[int, RankReport]:
+                timeout: float | None = None, live: bool | None = None, show_values: bool = False,
+                view: str | None = None, on_interrupt: Callable[[], float] | None = None) -> dict[int, RankReport]:
         """User work on ``ranks`` (None: every rank) within ``timeout``: every rank's report (by rank), or
         one raised failure. The ranks are healed first and only then targeted: a heal may drop a lost rank that joined
         from another machine and renumber the others, so "every rank" means every rank after it."""
@@ -315,7 +315,7 @@ class Session:
             ranks = None  # the caller listed every rank the lab had: it meant all of them
         ranks = self.targets(ranks)
         work = self.begin(ranks, work_entry, args, limit, make_output(ranks, live=live, show_values=show_values,
-                                                                      view=view))
+                                                                      view=view), on_interrupt=on_interrupt)
         self.foreground = work
         try:
             reports = work.wait()

@@ -11,8 +11,10 @@ complete their names (``complete``), and stop in a debugger where a rank raised 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from functools import partial
 from typing import TYPE_CHECKING
 
+from labkit.runs.cell_stop import iteration_stops, stop_before_iteration
 from labkit.spec.errors import LabConfigError
 from labkit.wire import entry
 
@@ -52,8 +54,10 @@ class LabWindow:
 
             return run_cell(self.session, code, cell, ranks, timeout, dashboard, background)
         # The ranks are named after the heal that comes first (it may renumber them).
-        reports = self.session.execute(ranks, entry.run_cell, (code, cell, None), timeout, live=live,
-                                       show_values=show_values, view=view)
+        with iteration_stops(self.session):  # a Ctrl-C stops a DDP loop between two of its steps
+            reports = self.session.execute(ranks, entry.run_cell, (code, cell, None), timeout, live=live,
+                                           show_values=show_values, view=view,
+                                           on_interrupt=partial(stop_before_iteration, self.session))
         return [reports[rank].get("display") for rank in sorted(reports)]
 
     def debug(self, rank: int | None = None, commands: Iterable[str] | None = None) -> None:

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from labkit.rank.context import RankContext
+from labkit.rank.control import ControlChannel
 from labkit.rank.debugger import RankDebugging
 from labkit.rank.displays import RankDisplays
 from labkit.rank.environment import (device_name, end_at_sigterm, process_group_backend, seed_as_asked,
@@ -39,11 +40,12 @@ from labkit.rank.environment import (device_name, end_at_sigterm, process_group_
 from labkit.rank.failures import error_info
 from labkit.rank.instruments.recorders import recorder_for
 from labkit.rank.lab_groups import LabGroups
+from labkit.rank.model_steps import ModelSteps
 from labkit.rank.requests import RankRequests
 from labkit.rank.user_process import UserProcess
 from labkit.rank.whereabouts import Whereabouts
 from labkit.spec.network import place_on_network
-from labkit.torch_support.torch_internals import reset_ddp_reducer, set_group_timeout
+from labkit.torch_support.torch_internals import set_group_timeout
 from labkit.wire import entry
 from labkit.wire.current import RUNTIME_NAME
 from labkit.wire.gpus import gpu_index, gpus_shown
@@ -105,6 +107,7 @@ class RankRuntime(RankContext):
 
         self.displays = RankDisplays.for_shell(get_ipython())  # what work displays reaches the notebook, marked and bounded
         self.debugging = RankDebugging.installed(self, _own_files)  # post-mortem and breakpoint() for the notebook
+        self.model_steps = ModelSteps()  # DDP and FSDP2 models, put back in step after failed work
         self.whereabouts = Whereabouts(self)  # while user work runs: its line and collectives, for the notebook
         self.whereabouts.start()
 
@@ -192,12 +195,16 @@ class RankRuntime(RankContext):
     def rebuild_groups(self, generation: int, timeout_seconds: float) -> int:
         """Same ranks, same world: every group gets its generation-``generation`` self, in place; how many.
 
-        Everything built on the groups (DDP, FSDP, DTensors, meshes, the training state) goes on.
-        A DDP whose backward a cut collective ended is told to forget that reduction."""
+        Everything built on the groups (DDP, FSDP, DTensors, meshes, the training state) goes on
+        (the models' per-iteration state is put in step by ``put_models_in_step``)."""
         count = self.groups.reconfigure(generation, timedelta(seconds=timeout_seconds))
         self.generation = generation
-        _forget_cut_reductions()
         return count
+
+    def put_models_in_step(self, failed_here: bool) -> list[str]:
+        """After work that failed on some rank: every DDP and FSDP2 model of this rank put as every rank puts
+        its own (``rank.model_steps``); ``failed_here``: this rank ran that work. What was done, per model."""
+        return self.model_steps.put_in_step(failed_here)
 
     def release_collectives(self) -> int:
         """Close this rank's group connections: peers waiting for it in a collective fail now."""
@@ -285,7 +292,9 @@ class RankRuntime(RankContext):
                 return repr(value)
             return None
 
-        report = self._guarded(self._watched(body, watch), timeout_seconds, result_key="display")
+        # A watched loop has its own stop at a step boundary; a plain cell stops before a DDP iteration.
+        report = self._guarded(self._watched(body, watch), timeout_seconds, result_key="display",
+                               stop_before_iteration=watch is None)
         if rich and report.get("ok") and watch is None:
             report["rich"] = rich[0]
         return report
@@ -328,13 +337,17 @@ class RankRuntime(RankContext):
 
         return watched
 
-    def _guarded(self, work, timeout_seconds: float, result_key: str, fresh_process: bool = False) -> dict:
+    def _guarded(self, work, timeout_seconds: float, result_key: str, fresh_process: bool = False,
+                 stop_before_iteration: bool = False) -> dict:
         """Run user work: the lab's group stands in for the user's init/destroy, exit(0) succeeds; the notebook's
-        umask while it runs. ``fresh_process``: the groups the work made go when it ends (a script's)."""
+        umask while it runs. ``fresh_process``: the groups the work made go when it ends (a script's).
+        ``stop_before_iteration``: a stop the notebook asks for ends it before a DDP forward (``model_steps``)."""
         from labkit.rank.script import ScriptExit, exit_code, lab_process_group
 
         started = time.perf_counter()
         self.set_collective_timeout(timeout_seconds)
+        self.model_steps.begin_work(ControlChannel(self.store, self.rank)
+                                    if stop_before_iteration and self.store is not None else None)
         self.displays.begin()
         self.whereabouts.began()
         try:
@@ -372,21 +385,6 @@ class RankRuntime(RankContext):
             return report
         finally:
             signal.signal(signal.SIGINT, previous)
-
-
-def _forget_cut_reductions() -> None:
-    """Every DistributedDataParallel of this process whose backward a cut collective ended forgets that
-    reduction, so its next forward and backward run as if the failed one had not started."""
-    import gc
-
-    from torch.nn.parallel import DistributedDataParallel
-
-    for candidate in gc.get_objects():
-        if isinstance(candidate, DistributedDataParallel):
-            try:
-                candidate._check_reducer_finalized()
-            except RuntimeError:
-                reset_ddp_reducer(candidate)
 
 
 def _own_files() -> set[str]:

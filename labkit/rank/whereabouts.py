@@ -151,7 +151,8 @@ class Whereabouts:
         return {"work": work.work_id, "rank": self.runtime.rank, "generation": self.runtime.generation,
                 "where": self._user_line(work), "world": world.name if world is not None else None,
                 "groups": groups.state(), "released": self._released,
-                "stopped": self.runtime.debugging.stopped}  # at a breakpoint (rank.debugger): where, and the stop
+                "stopped": self.runtime.debugging.stopped,  # at a breakpoint (rank.debugger): where, and the stop
+                "iterating": self.runtime.model_steps.iterating}  # a DDP model trains: a stop can wait for its forward
 
     def _user_line(self, work: _Work) -> dict | None:
         main = sys.modules.get("__main__")

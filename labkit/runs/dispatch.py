@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING
 from labkit.cluster.rank_logs import keep_rank_log
 from labkit.cluster.rank_whereabouts import WhereaboutsReader
 from labkit.runs.deadlock import DeadlockWatch, in_flight, transfers_waited
+from labkit.runs.own_interrupts import told_as_raised
 from labkit.runs.debugging import BreakpointDesk
 from labkit.spec.errors import LabError
 from labkit.views.rank_output import LiveOutput, RankTexts
@@ -349,6 +350,7 @@ class RankWork:
                     self.timed_out = True
                     self._escalate()
         except KeyboardInterrupt:
+            self.interrupted = True  # whatever ends the work now, the kernel's interrupt did
             grace = self.on_interrupt() if self.on_interrupt is not None else 0.0
             if grace:
                 try:
@@ -356,13 +358,13 @@ class RankWork:
                 except KeyboardInterrupt:
                     pass
             if self.pending:
-                self.interrupted = True
                 self._escalate_after_interrupt()
         finally:
             if self._reader is not None:
                 self._reader.stop()
             self.whereabouts = {}
             self.output.finish()
+        told_as_raised(self.reports, signalled=self.timed_out or self.interrupted)  # else none were: the work's own
         return dict(sorted(self.reports.items()))
 
     def _escalate_after_interrupt(self) -> None:

@@ -10,6 +10,9 @@
   go on;
 - nothing was disturbed (a typo on every rank, an interrupt between collectives): the
   groups stay as they are, and nothing is said about them beyond that.
+
+In the last two, every rank then puts its DDP and FSDP2 models' per-iteration state back
+in step (``rank.model_steps``), the same way on each.
 """
 
 from __future__ import annotations
@@ -105,7 +108,8 @@ def recover(session: Session, work: RankWork, reports: dict[int, RankReport]) ->
     else:
         cut = collectives_cut(reports, work.released)
         if not cut:
-            return "The process groups were not disturbed and are kept as they were; the lab is ready for the next cell."
+            return ("The process groups were not disturbed and are kept as they were"
+                    f"{models_in_step(session, work)}; the lab is ready for the next cell.")
         try:
             session.rebuild_group()
         except LabError:
@@ -115,7 +119,8 @@ def recover(session: Session, work: RankWork, reports: dict[int, RankReport]) ->
             return (f"The process groups could not be rebuilt in place ({cut}); every rank was restarted "
                     f"(generation {session.generation}) with an empty namespace; the lab is ready for the next cell.")
         return (f"The process groups were rebuilt in place (generation {session.generation}: {cut}); "
-                "everything built on them goes on; the lab is ready for the next cell.")
+                f"everything built on them goes on{models_in_step(session, work)}; "
+                "the lab is ready for the next cell.")
     note = f"The process groups were formed anew (generation {session.generation})"
     if session.mesh_spec is not None:
         note += f" with mesh {session.mesh_spec.describe()}"
@@ -126,6 +131,30 @@ def recover(session: Session, work: RankWork, reports: dict[int, RankReport]) ->
                  f"dropped: the lab now has {session.world_size} ranks")
     unusable = unusable_note(held)
     return note + (f"; {unusable}" if unusable else "") + "; the lab is ready for the next cell."
+
+
+def models_in_step(session: Session, work: RankWork) -> str:
+    """Every rank puts its DDP and FSDP2 models back in step (``rank.model_steps``): '' when done, else a
+    note saying what failed and what to do."""
+    from labkit.wire import entry  # sent by reference: the ranks have it
+
+    ran = sorted(set(work.ranks) & set(range(session.world_size)))
+    others = [rank for rank in range(session.world_size) if rank not in ran]
+    done: list[str] = []
+    try:
+        for ranks, failed_here in ((ran, True), (others, False)):
+            if ranks:
+                for said in session.call(ranks, entry.put_models_in_step, (failed_here,), session.start_timeout):
+                    done.extend(said)
+    except LabError as error:
+        return (f"; the DDP and FSDP models could not be put back in step ({str(error).splitlines()[0]}): "
+                "re-create them on every rank (run the cells that built them), or lab.load a checkpoint")
+    left = sorted({said.split(":")[0] for said in done if "cannot reset" in said})
+    if left:
+        return (f"; {', '.join(left)} (FSDP2) could not be put back in step: this torch cannot reset an FSDP "
+                "iteration (it lacks FSDPModule.reset_iter_state): re-create it on every rank, or lab.load a "
+                "checkpoint")
+    return ""
 
 
 def collectives_cut(reports: dict, released: bool = False) -> str:

@@ -4,11 +4,12 @@ Runs in the engines. The lab does things torch offers no public call for: it put
 group's place (under the same name, in torch's registry of groups), changes the time limit of every group at each
 cell, swaps the default group while a slow link is simulated, aborts the groups of a failing nccl rank, clears what
 DTensor and the mesh stack cached about groups that a rebuild destroyed, queues a callback at the end of backward,
-and finds where a DTensor's shard lies in the whole tensor. Each of these reaches into
+and finds where a DTensor's shard lies in the whole tensor. What it does to models' per-iteration state after a
+failed cell (DDP's reducer, FSDP2's iteration) is in ``torch_internals_models``, this file's companion. Each of these reaches into
 ``torch.distributed.distributed_c10d``, ``torch._C`` or underscored names, which change between torch releases
 without notice.
 
-So they live here and nowhere else: a new torch is checked against this file (``missing_internals`` lists what it
+So they live here (and in that companion) and nowhere else: a new torch is checked against this file (``missing_internals`` lists what it
 lacks; a test asserts it lacks nothing), and ``labkit.spec.torch_version`` names this file when the installed torch
 is not a tested one. Code elsewhere calls the functions below and never an underscored name of torch's.
 """
@@ -26,6 +27,8 @@ import torch
 import torch.distributed as dist
 from torch._C import _distributed_c10d as c10d_native
 from torch.distributed import distributed_c10d as c10d
+
+from labkit.torch_support.torch_internals_models import model_internals
 
 if TYPE_CHECKING:  # a NewType of str in torch's stubs, not a name every torch has at run time
     from torch.distributed.distributed_c10d import GroupName
@@ -47,8 +50,7 @@ def missing_internals() -> list[str]:
         "distributed_c10d._new_process_group_helper": lambda: c10d._new_process_group_helper,
         "distributed_c10d._world.group_count": lambda: c10d._world.group_count,
         "distributed_c10d._unregister_all_process_groups": lambda: c10d._unregister_all_process_groups,
-        "nn.parallel.DistributedDataParallel.reducer._reset_state":
-            lambda: torch._C._distributed_c10d.Reducer._reset_state,
+        **model_internals(),  # torch_internals_models: DDP's reducer, FSDP2's iteration
         "_C._distributed_c10d._register_process_group": lambda: c10d_native._register_process_group,
         "_C._distributed_c10d._resolve_process_group": lambda: c10d_native._resolve_process_group,
         "_C._distributed_c10d._unregister_process_group": lambda: c10d_native._unregister_process_group,
@@ -238,11 +240,6 @@ def clear_registry() -> None:
         getattr(world, table).update(entries)
     c10d._unregister_all_process_groups()
     world.group_count = 0
-
-
-def reset_ddp_reducer(module) -> None:
-    """Forget a DistributedDataParallel's unfinished reduction (a backward a failed collective cut short)."""
-    module.reducer._reset_state()
 
 
 def group_lifecycle() -> tuple:

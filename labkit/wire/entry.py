@@ -108,6 +108,11 @@ def rebuild_groups(generation: int, timeout_seconds: float) -> int:
     return this_rank().rebuild_groups(generation, timeout_seconds)
 
 
+def put_models_in_step(failed_here: bool) -> list[str]:
+    """After work that failed on some rank: this rank's DDP and FSDP2 models put as every rank puts its own."""
+    return this_rank().put_models_in_step(failed_here)
+
+
 def release_collectives() -> int:
     """Close this rank's group connections, so peers waiting for it in a collective fail now."""
     return this_rank().release_collectives()

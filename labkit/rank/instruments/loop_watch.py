@@ -45,7 +45,7 @@ from labkit.rank.control import ControlChannel
 from labkit.rank.instruments.recorder import Publisher
 from labkit.rank.instruments.run_instruments import STOP_CHECK_EVERY, _agree_to_stop
 from labkit.rank.memory import memory_bytes
-from labkit.torch_support.fsdp_internals import data_parallel_size
+from labkit.torch_support.torch_internals_models import data_parallel_size
 
 
 MEMORY_EVERY = 2.0  # seconds between two counts of what the loop holds, for the dashboard

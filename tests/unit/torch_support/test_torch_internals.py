@@ -1,14 +1,13 @@
-"""The private torch API labkit uses is all in labkit.torch_support.torch_internals (and, for FSDP2's state,
-fsdp_internals beside it), and this torch has all of it."""
+"""The private torch API labkit uses is all in labkit.torch_support.torch_internals (and its companion
+torch_internals_models), and this torch has all of it."""
 
 import re
 from pathlib import Path
 
-from labkit.torch_support import fsdp_internals
 from labkit.torch_support.torch_internals import missing_internals
 
 PACKAGE = Path(__file__).resolve().parents[3] / "labkit"
-INTERNALS = {PACKAGE / "torch_support" / "torch_internals.py", PACKAGE / "torch_support" / "fsdp_internals.py"}
+INTERNALS = {PACKAGE / "torch_support" / name for name in ("torch_internals.py", "torch_internals_models.py")}
 # An underscored name reached on torch's modules or objects: torch._C, c10d._world, group._get_backend(...).
 PRIVATE_USE = re.compile(r"\btorch\._(?!_)|distributed_c10d|\b_distributed_c10d\b|_mesh_resources|\b(group|inner|work|mesh|"
                          r"dist\.[A-Za-z]+)\._[a-z]")
@@ -18,7 +17,7 @@ INTERFACE = re.compile(r"def _(allgather_base|reduce_scatter_base|source_rank)\b
 
 
 def test_this_torch_has_every_internal_labkit_uses():
-    assert missing_internals() == [] and fsdp_internals.missing_internals() == []
+    assert missing_internals() == []
 
 
 def test_no_module_but_torch_internals_reaches_into_torch():
