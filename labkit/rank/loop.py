@@ -174,7 +174,9 @@ def _steps(config: TrainConfig, state, parallel: ParallelModel, optimizer, train
         delay = instruments.begin_step(state.step)  # rows count steps from the run's start, across continuations
         optimizer.zero_grad(set_to_none=True)
         loss = parallel.forward_backward(batch)
-        if guard.check(state.step + 1, loss, watch) is None:
+        gradients = [p.grad for p in parallel.module.parameters() if p.grad is not None] \
+            if watch is not None and watch.poison else None
+        if guard.check(state.step + 1, loss, watch, gradients) is None:
             state.updating = True
             parallel.optimizer_step(optimizer)
             state.updating = False
@@ -210,7 +212,13 @@ def _train(config: TrainConfig, runtime: RankContext) -> RankResult:
     staging = batch_staging(device)  # one per run: its buffers are reused by every step
     checkpoints = PeriodicCheckpoints(config) if config.checkpoint_every else None
     guard = NonFiniteGuard(config.on_nonfinite, parallel.lockstep, recorder)
-    watch = LossWatch(device) if guard.agrees else None
+    # One loss per step, made before its backward, on every rank: the agreement can run beside the backward.
+    one_loss = parallel.forward is None and parallel.runner is None and parallel.micro_batches == 1
+    # A pipeline's schedule also runs the loss on made-up outputs to infer shapes: its step's loss is read instead.
+    # DDP alone on the host: the gradients, synced, are the same on every rank and carry a NaN loss's mark.
+    replicated = tuple(config.parts) == ("ddp",) and device.type == "cpu" and parallel.forward is None
+    watch = LossWatch(device, None if replicated or not one_loss else guard.send, poison=replicated) \
+        if guard.agrees and parallel.runner is None else None
     trainable.loss_watch = watch  # the losses the loop's steps make, seen as they are made; not the reference's
     try:
         _steps(config, state, parallel, optimizer, trainable, staging, timer, instruments, losses, guard, watch,

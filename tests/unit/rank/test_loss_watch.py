@@ -2,7 +2,7 @@
 
 import torch
 
-from labkit.rank.nonfinite import FINITE, INFINITE, NAN, NEGATIVE_INFINITE, LossWatch
+from labkit.rank.nonfinite import FINITE, INFINITE, NAN, NEGATIVE_INFINITE, LossWatch, gradients_finite
 from labkit.torch_support.trainable import watched
 
 
@@ -44,3 +44,20 @@ def test_a_trainables_loss_is_shown_to_the_watch_only_while_one_is_set():
     holder.loss_watch = LossWatch(torch.device("cpu"))
     watched(holder, loss)
     assert holder.loss_watch.take(None) == NAN
+
+
+def test_a_loss_not_finite_marks_every_gradient_it_reaches_where_gradients_are_replicated():
+    # an additive NaN leaves the gradient finite: the mark is what DDP's all-reduce carries to every rank
+    weight = torch.ones(3, requires_grad=True)
+    watch = LossWatch(torch.device("cpu"), poison=True)
+    loss = (weight * 2).sum() + float("nan")
+    watch.saw(loss)
+    loss.backward()
+    assert watch.take(None) == NAN
+    assert not gradients_finite([weight.grad])
+
+
+def test_gradients_are_finite_when_every_element_is():
+    assert gradients_finite([torch.ones(4), torch.zeros(2, 2)]) and gradients_finite([])
+    assert not gradients_finite([torch.ones(4), torch.tensor([1.0, float("inf")])])
+    assert not gradients_finite([torch.tensor([float("nan")])])
