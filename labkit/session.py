@@ -199,7 +199,12 @@ class Session:
     # -- work -------------------------------------------------------------------
 
     def limit(self, timeout: float | None) -> float:
-        return self.timeout if timeout is None else positive_seconds("timeout", timeout)
+        if timeout is None:
+            return self.timeout
+        try:
+            return positive_seconds("timeout", timeout)
+        except ValueError as error:  # units sits below the lab's errors: said as the lab's own, in one line
+            raise LabConfigError(str(error)) from None
 
     def targets(self, ranks) -> list[int]:
         """The ranks ``ranks`` names (None: all, a rank number, or a list of them), checked against the world."""

@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING
 from labkit.runs.sources import notebook_sources
 from labkit.runs.task_pools import RankPool, SitePool, Worker
 from labkit.runs.task_results import LOST, TaskFailed, TaskRecord, TaskResults, on_rank
+from labkit.spec.bounds import MAX_TASK_RETRIES, check_whole
 from labkit.spec.errors import LabConfigError, LabError, format_ranks
 from labkit.views.task_board import TaskBoard
 from labkit.wire import entry
@@ -64,9 +65,8 @@ def _check(fn, items, retries) -> list:
         items = list(items)
     except TypeError:
         raise LabConfigError(f"lab.tasks needs a list (or any iterable) of items, got {items!r}") from None
-    if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
-        raise LabConfigError(f"retries is how often a task may be requeued after its rank is lost (0 or more), "
-                             f"got {retries!r}")
+    check_whole("retries (how often a task may be requeued after its rank is lost)", retries, MAX_TASK_RETRIES,
+                "retries=2", least=0)
     return items
 
 

@@ -24,6 +24,8 @@ MAX_GLOBAL_BATCH = 2**20
 MAX_MICRO_BATCHES = 1024
 # Repetitions of one collective per message size: nccl-tests' default is 20, and the lab's at most 200.
 MAX_BENCH_ITERATIONS = 10_000
+# Requeues of one task after its rank was lost: each needs a rank to die while running it.
+MAX_TASK_RETRIES = 1000
 # Ensemble members per rank: the queue trains them one after another on each rank.
 MAX_MEMBERS_PER_RANK = 64
 # Under vary="lr" member i's rate is lr x 2 ** (i - (members - 1) / 2): 16 members already span 2**15 (~33,000x).

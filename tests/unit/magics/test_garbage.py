@@ -150,7 +150,9 @@ GARBAGE = [  # (%lab line, or %%lab line; what its one line says)
     ("tasks fn notalist", "lab.tasks needs a list (or any iterable) of items, got 3"),
     ("tasks fn items --timeout -1", "--timeout: a time limit must be a positive, finite number"),
     ("tasks fn items --timeout nan", "--timeout: a time limit must be a positive, finite number"),
-    ("tasks fn items --retries -1", "retries is how often a task may be requeued"),
+    ("tasks fn items --retries -1", "retries (how often a task may be requeued after its rank is lost) is a whole "
+                                    "number from 0 to 1,000, got -1; e.g. retries=2"),
+    ("tasks fn items --retries 1000000000", "is a whole number from 0 to 1,000, got 1000000000"),
     ("ensemble --members 0", "members is a positive integer, got 0"),
     ("ensemble --steps 1000000000000", "steps is a whole number from 1 to 10,000,000"),
     ("ensemble --lr 1e308", "lr is a learning rate above 0 and at most 10"),
@@ -182,3 +184,15 @@ GARBAGE = [  # (%lab line, or %%lab line; what its one line says)
 @pytest.mark.parametrize("line, said", GARBAGE, ids=[line for line, _ in GARBAGE])
 def test_garbage_is_refused_in_one_line_before_any_work(magic, line, said):
     assert said in refusal(magic, line)
+
+
+@pytest.mark.parametrize("timeout", [-1, 0, float("nan"), float("inf"), "soon"])
+def test_a_time_limit_from_python_is_refused_as_the_labs_own_error(timeout):
+    # lab.tasks(..., timeout=-1) gave units' plain ValueError and its traceback; every call's limit goes this way
+    from labkit.spec.errors import LabConfigError
+
+    lab = Lab(ranks=2, backend="gloo", threads_per_rank=1, timeout=30)
+    with pytest.raises(LabConfigError, match="timeout"):
+        lab.session.limit(timeout)
+    with pytest.raises(LabConfigError, match="timeout"):
+        lab.tasks(abs, [1, 2], timeout=timeout)
