@@ -53,6 +53,8 @@ _VOLATILE = [
     # its limit ("ran for 600034 milliseconds before timing out"): when, not what.
     (re.compile(r"\b\d{2}:\d{2}:\d{2}[.,]\d+\b"), "<time>"),
     (re.compile(r"\b(ran for )\d+( milliseconds)"), r"\1<n>\2"),
+    # A dead rank's kept log (``cluster.rank_logs``): how many times that rank died before.
+    (re.compile(r"(\.died-)\d+(\.log)\b"), r"\1<n>\2"),
 ]
 
 # Where torch names the rank that reports ("[rank3]:", "[Rank 3]", "[PG ID 0 PG GUID 0 Rank 3]",
@@ -61,6 +63,7 @@ _VOLATILE = [
 _OWN_RANK = [
     re.compile(r"(\[(?:PG [^\]]*?)?[Rr]ank\s?)(\d+)(\])"),
     re.compile(r"(did not receive grad for rank )(\d+)(:)"),
+    re.compile(r"(/rank)(\d+)(\.died-)"),  # its own kept log: ranks that died alike are told once, with the first's
 ]
 
 

@@ -213,3 +213,12 @@ def test_identical_texts_are_told_without_a_note():
     reports = {rank: _raised("ValueError", message, _traceback("ValueError", message)) for rank in range(2)}
     failure = RankFailure(reports)
     assert failure.details().startswith("--- ranks 0, 1 ---\n")
+
+
+def test_ranks_that_died_alike_are_told_once_though_each_keeps_its_own_log():
+    # each dead rank's log is kept under its own name (rankN.died-K.log): that alone must not split the group
+    died = "the rank's process exited (SIGKILL (exit code -9))\nits log: /tmp/labkit-ab12cd34/log/rank{}.died-{}.log"
+    groups = group_alike({1: died.format(1, 1), 2: died.format(2, 3), 3: "the rank's process exited (SIGABRT)"})
+    assert [ranks for ranks, _, _ in groups] == [[1, 2], [3]]
+    # a rank naming another rank's log is not alike
+    assert len(group_alike({1: died.format(1, 1), 2: died.format(1, 1)})) == 2
