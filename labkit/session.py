@@ -37,16 +37,8 @@ from labkit.runs.recovery import dropped_notes, recover, split_broken, stale_rea
 from labkit.runs.sources import notebook_sources
 from labkit.spec.call_arguments import chosen_ranks
 from labkit.wire import entry
-from labkit.spec.errors import (
-    LabBusy,
-    LabConfigError,
-    LabError,
-    LabNotRunning,
-    RankFailure,
-    RankInterrupted,
-    RankTimeout,
-    format_ranks,
-)
+from labkit.spec.errors import (LabBusy, LabConfigError, LabError, LabNotRunning, RankFailure, RankInterrupted,
+                                RankTimeout, format_ranks)
 from labkit.spec.link import LinkSpec
 from labkit.spec.mesh import MeshSpec
 from labkit.spec.train_config import TrainConfig
@@ -199,11 +191,9 @@ class Session:
     # -- work -------------------------------------------------------------------
 
     def limit(self, timeout: float | None) -> float:
-        if timeout is None:
-            return self.timeout
-        try:
-            return positive_seconds("timeout", timeout)
-        except ValueError as error:  # units sits below the lab's errors: said as the lab's own, in one line
+        try:  # units sits below the lab's errors: said as the lab's own, in one line
+            return self.timeout if timeout is None else positive_seconds("timeout", timeout)
+        except ValueError as error:
             raise LabConfigError(str(error)) from None
 
     def targets(self, ranks) -> list[int]:
