@@ -57,7 +57,7 @@ def loss_code(loss: torch.Tensor | None) -> int:
     earlier stage, a parameter server's server)."""
     if loss is None:
         return FINITE
-    value = float(loss)
+    value = float(loss.detach())
     if math.isnan(value):
         return NAN
     if math.isinf(value):

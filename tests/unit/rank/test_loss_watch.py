@@ -1,9 +1,13 @@
 """The watch on a step's losses: each loss's code taken as it is made, the first one not finite told."""
 
+import pytest
 import torch
 
 from labkit.rank.nonfinite import FINITE, INFINITE, NAN, NEGATIVE_INFINITE, LossWatch, gradients_finite
 from labkit.torch_support.trainable import watched
+
+# A warning on a rank reaches the notebook's stderr at every step (float() of a loss that requires grad did)
+pytestmark = pytest.mark.filterwarnings("error")
 
 
 def loss_of(value: float) -> torch.Tensor:
