@@ -202,7 +202,8 @@ class Composition:
         self.finished: Callable[[], bool] | None = None
         # Whether every rank stands at the same step between forward-backward and the update, where the ranks
         # may agree on something (a loss that is not finite: ``rank.nonfinite``); False for a part whose ranks run
-        # ahead of each other by design (an asynchronous parameter server).
+        # ahead of each other by design (an asynchronous parameter server), or whose point is not to communicate
+        # every step (DiLoCo: an agreement a step would cross its slow link or the sites' line each step).
         self.lockstep = True
 
     def uses(self, part: str) -> bool:

@@ -67,6 +67,7 @@ def apply(composition: Composition, replica_mesh: DeviceMesh, config: TrainConfi
     """Wrap the optimizer step with the outer step, on the final parameters."""
     if composition.estimate_only:
         return  # the global copy and momentum are two more copies of the local shards (not estimated)
+    composition.lockstep = False  # nothing crosses between replicas but the outer step: no agreement a step either
     if config.outer_hub is not None:  # a site's share of a run across sites: the hub takes the outer step
         from labkit.strategies import diloco_sites
 
